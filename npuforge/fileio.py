@@ -1,0 +1,56 @@
+"""Small helpers for artifacts: hashing, deterministic JSON, atomic outputs."""
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def sha256_file(path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_size):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dumps_json(data) -> str:
+    """Stable JSON text: sorted keys, two-space indent, trailing newline."""
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_json(path, data) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(dumps_json(data), encoding="utf-8")
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary sibling path; rename it onto ``path`` only on success.
+
+    On any exception the temporary file or directory is removed, so a failed
+    step never leaves a partial artifact behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        yield Path(tmp)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
