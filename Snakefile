@@ -1,0 +1,24 @@
+# npuforge: one checkpoint -> verified per-SoC NPU binaries and release bundles.
+# Selection: --config model=ID[,ID] target=ID[,ID] precision=P[,P]; see README.md.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/fetch.smk"
+include: "rules/export.smk"
+include: "rules/tokenizer.smk"
+include: "rules/verify.smk"
+include: "rules/calibrate.smk"
+include: "rules/compile.smk"
+include: "rules/package.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        release_outputs(),

@@ -1,0 +1,188 @@
+"""The build matrix: which (model, target, precision) to build and which shared work they need.
+
+Pure data in, data out; the Snakefile imports it while parsing, so no heavy imports.
+Exports are keyed by their options, never by target, so targets with equal needs
+share one export directory.
+"""
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+from npuforge.errors import NpuforgeError
+
+# The backend that needs no vendor toolchain (onnxruntime on the CPU).
+REFERENCE_BACKEND = "onnx"
+
+
+@dataclass(frozen=True)
+class Build:
+    model: str
+    target: str
+    precision: str
+
+
+@dataclass
+class Plan:
+    models: dict
+    targets: dict
+    builds: list[Build]
+    # (model, export key) -> export options
+    exports: dict = field(default_factory=dict)
+    # (model, target) -> export keys in variant order (decode first)
+    target_exports: dict = field(default_factory=dict)
+
+    def export_keys(self, model: str, target: str) -> list[str]:
+        return self.target_exports[(model, target)]
+
+    def export_options(self, model: str, key: str) -> dict:
+        return self.exports[(model, key)]
+
+    def needs_calibration(self, target: str, precision: str) -> bool:
+        spec = self.targets[target]["precisions"].get(precision) or {}
+        return bool(spec.get("calibrate", False))
+
+    def vendor_targets(self) -> list[str]:
+        used = sorted({b.target for b in self.builds})
+        return [t for t in used if self.targets[t]["backend"] != REFERENCE_BACKEND]
+
+
+def parse_selection(value) -> list[str]:
+    """'a,b' / ['a', 'b'] / '' / None -> list of ids (empty means: not selected)."""
+    if value is None:
+        return []
+    if isinstance(value, str | int | float):
+        items = str(value).split(",")
+    else:
+        items = [str(v) for v in value]
+    return [item.strip() for item in items if item.strip()]
+
+
+def _choose(kind: str, selection, registry: dict, where: str) -> list[str]:
+    ids = parse_selection(selection)
+    if not ids:
+        raise NpuforgeError(f"no {kind} selected; set {kind}=<id> (valid: {', '.join(registry)})")
+    if ids == ["all"]:
+        return list(registry)
+    for item in ids:
+        if item not in registry:
+            raise NpuforgeError(
+                f"unknown {kind} '{item}'; valid {kind}s: {', '.join(registry)} "
+                f"(add one to {where} or with --configfile)"
+            )
+    return list(dict.fromkeys(ids))
+
+
+def select_builds(config: dict, models: dict, targets: dict) -> list[Build]:
+    """Turn the selection into builds, or raise one line that names the valid choices."""
+    model_ids = _choose("model", config.get("model"), models, "config/models.yaml")
+    target_ids = _choose("target", config.get("target"), targets, "config/targets.yaml")
+    wanted = parse_selection(config.get("precision"))
+    known = sorted({p for t in targets.values() for p in t["precisions"]})
+    for precision in wanted:
+        if precision != "all" and precision not in known:
+            raise NpuforgeError(
+                f"unknown precision '{precision}'; valid precisions: {', '.join(known)}"
+            )
+    builds = []
+    for target_id in target_ids:
+        target = targets[target_id]
+        supported = list(target["precisions"])
+        if not wanted:
+            precisions = list(target["default_precisions"])
+        elif wanted == ["all"]:
+            precisions = supported
+        else:
+            for precision in wanted:
+                if precision not in supported:
+                    raise NpuforgeError(
+                        f"target {target_id} ({target.get('description', target['backend'])}) "
+                        f"does not support precision '{precision}'; it supports: "
+                        f"{', '.join(supported)}"
+                    )
+            precisions = wanted
+        for model_id in model_ids:
+            for precision in precisions:
+                builds.append(Build(model_id, target_id, precision))
+    return builds
+
+
+def estimate_params(model: dict) -> int:
+    """Parameter count from the registry: arch.n_params, else an estimate from the dimensions.
+
+    RWKV: embedding + head (2 * vocab * embed) and about 12.5 * embed^2 per layer
+    (r, k, v, o projections, the 4x channel mix and the small LoRAs).
+    """
+    arch = model["arch"]
+    if "n_params" in arch:
+        return int(arch["n_params"])
+    embed, layers, vocab = arch["embed"], arch["layers"], arch["vocab"]
+    return int(2 * vocab * embed + layers * 12.5 * embed * embed)
+
+
+def plan_chunks(model: dict, export: dict) -> int:
+    """Layer chunks for one export: fixed, or from the policy's byte budget, within [1, layers]."""
+    layers = model["arch"]["layers"]
+    if "chunks" in export:
+        chunks = int(export["chunks"])
+    elif "chunk_policy" in export:
+        policy = export["chunk_policy"]
+        size = estimate_params(model) * float(policy["bytes_per_param"])
+        chunks = math.ceil(size / float(policy["max_chunk_bytes"]))
+    else:
+        chunks = 1
+    return max(1, min(chunks, layers))
+
+
+def export_variants(model: dict, target: dict) -> list[dict]:
+    """The export options a target needs from a model, one dict per graph variant.
+
+    Every option that changes the exported bytes is in the dict (and so in the key).
+    """
+    export = target["export"]
+    base = {
+        "family": model["family"],
+        "dtype": export["dtype"],
+        "ext_embedding": bool(export.get("ext_embedding", False)),
+        "batch": int(export.get("batch", 1)),
+        "chunks": plan_chunks(model, export),
+    }
+    variants = []
+    for variant in export["variants"]:
+        options = dict(base, variant=variant)
+        options["tokens"] = int(export["prefill_tokens"]) if variant == "prefill" else 1
+        variants.append(options)
+    return variants
+
+
+def export_key(options: dict) -> str:
+    """A directory name for an export: readable prefix plus a hash of all its options."""
+    canonical = json.dumps(options, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:10]
+    return f"{options['variant']}-{options['dtype']}-c{options['chunks']}-{digest}"
+
+
+def make_plan(config: dict, models: dict, targets: dict) -> Plan:
+    builds = select_builds(config, models, targets)
+    plan = Plan(models=models, targets=targets, builds=builds)
+    for build in builds:
+        pair = (build.model, build.target)
+        if pair in plan.target_exports:
+            continue
+        keys = []
+        for options in export_variants(models[build.model], targets[build.target]):
+            key = export_key(options)
+            plan.exports[(build.model, key)] = options
+            keys.append(key)
+        plan.target_exports[pair] = keys
+    return plan
+
+
+def check_toolchains(plan: Plan, runtime: str, unavailable_reason) -> None:
+    """Ask the toolchain module about every selected vendor target; stop at the first refusal."""
+    for target_id in plan.vendor_targets():
+        target = plan.targets[target_id]
+        reason = unavailable_reason(target["backend"], runtime, target["options"])
+        if reason:
+            raise NpuforgeError(f"target {target_id}: {reason}")

@@ -1,0 +1,120 @@
+"""Model and SoC registries: YAML files plus overlays from the workflow config.
+
+The Snakefile imports this module while it parses, so it stays light: PyYAML
+and the standard library only.
+"""
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from npuforge.errors import NpuforgeError
+
+# Fields an overlay replaces whole instead of merging into: a new source kind must
+# not leave the old kind's keys behind.
+REPLACED_FIELDS = {"source"}
+
+
+def load_yaml(path) -> dict:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise NpuforgeError(f"registry file {path} not found; check the config paths") from err
+    except yaml.YAMLError as err:
+        problem = _first_line(err)
+        raise NpuforgeError(f"{path} is not valid YAML ({problem}); fix its syntax") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise NpuforgeError(f"{path} must be a mapping of id to entry, not a {kind}; fix it")
+    # Deep copy: YAML anchors share objects, and overlays must not leak between entries.
+    return copy.deepcopy(data)
+
+
+def _first_line(err) -> str:
+    return str(err).strip().splitlines()[0]
+
+
+def merge_entry(base: dict, overlay: dict) -> dict:
+    """Deep-merge ``overlay`` over ``base`` without changing either."""
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        mergeable = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        if mergeable and key not in REPLACED_FIELDS:
+            merged[key] = _merge_plain(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _merge_plain(base: dict, overlay: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_plain(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def merge_registry(registry: dict, overlay: dict | None) -> dict:
+    """Add overlay entries to a registry; an existing id gets its fields merged."""
+    merged = copy.deepcopy(registry)
+    for entry_id, entry in (overlay or {}).items():
+        if not isinstance(entry, dict):
+            raise NpuforgeError(f"registry overlay entry '{entry_id}' must be a mapping of fields")
+        entry_id = str(entry_id)
+        merged[entry_id] = merge_entry(merged[entry_id], entry) if entry_id in merged else entry
+    return merged
+
+
+def load_registries(config: dict, basedir=".") -> tuple[dict, dict]:
+    """Return (models, targets): the registry files with the config's overlays merged in."""
+    basedir = Path(basedir)
+    models = load_yaml(_resolve(basedir, config["models_registry"]))
+    targets = load_yaml(_resolve(basedir, config["targets_registry"]))
+    models = merge_registry(models, config.get("models"))
+    targets = merge_registry(targets, config.get("targets"))
+    return models, targets
+
+
+def _resolve(basedir: Path, path) -> Path:
+    path = Path(path)
+    return path if path.is_absolute() else basedir / path
+
+
+def check_registries(models: dict, targets: dict) -> None:
+    """Consistency checks a JSON Schema cannot express; raise one line per problem found first."""
+    for model_id, model in models.items():
+        synthetic = model["source"].get("synthetic")
+        if synthetic:
+            for dim, arch_key in (("layers", "layers"), ("embed", "embed"), ("vocab", "vocab")):
+                if synthetic[dim] != model["arch"][arch_key]:
+                    raise NpuforgeError(
+                        f"model {model_id}: source.synthetic.{dim}={synthetic[dim]} differs from "
+                        f"arch.{arch_key}={model['arch'][arch_key]}; make them agree"
+                    )
+            if synthetic["version"] != model["version"]:
+                raise NpuforgeError(
+                    f"model {model_id}: source.synthetic.version={synthetic['version']} differs "
+                    f"from version={model['version']}; make them agree"
+                )
+        path = model["source"].get("path")
+        if path is not None and not Path(path).is_absolute():
+            raise NpuforgeError(f"model {model_id}: source.path '{path}' must be an absolute path")
+    for target_id, target in targets.items():
+        supported = target["precisions"]
+        for precision in target["default_precisions"]:
+            if precision not in supported:
+                raise NpuforgeError(
+                    f"target {target_id}: default precision '{precision}' is not among its "
+                    f"precisions ({', '.join(supported)}); list it there or drop it"
+                )
+        export = target["export"]
+        if "prefill" in export["variants"] and "prefill_tokens" not in export:
+            raise NpuforgeError(
+                f"target {target_id}: the prefill variant needs export.prefill_tokens; set it"
+            )

@@ -1,0 +1,23 @@
+rule calibrate:
+    input:
+        export=f"{RESULTS}/export/{{model}}/{{key}}",
+    output:
+        directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
+    log:
+        f"{RESULTS}/logs/calibrate/{{model}}/{{key}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        samples=config["calibration"]["samples"],
+        steps=config["calibration"]["steps"],
+        seed=config["calibration"]["seed"],
+        text=(
+            f"--text {config['calibration']['text']}"
+            if config["calibration"].get("text")
+            else ""
+        ),
+    shell:
+        "python workflow_scripts/make_calibration_samples.py --export {input.export} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} {params.text} > {log} 2>&1"

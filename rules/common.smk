@@ -1,0 +1,168 @@
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from snakemake.utils import validate
+from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
+# The Snakefile imports npuforge from this checkout.
+sys.path.insert(0, workflow.basedir)
+
+# Step CLIs run under the interpreter that runs Snakemake (the .venv of setup.sh)
+# and import npuforge from this checkout, whatever the calling shell's PATH; with
+# --sdm conda the rule's conda environment provides python instead.
+_checkout = shlex.quote(workflow.basedir)
+if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+    shell.prefix(f'export PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
+else:
+    _bin = shlex.quote(str(Path(sys.executable).parent))
+    shell.prefix(f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
+
+from npuforge.errors import NpuforgeError
+from npuforge.matrix import REFERENCE_BACKEND, check_toolchains, make_plan
+from npuforge.registry import check_registries, load_registries
+
+MAIN_ENV = "../envs/main/environment.yaml"
+SCHEMAS = f"{workflow.basedir}/config/schemas"
+
+
+def _stop(err):
+    # A selection or registry error must stop the run before any job, as one line.
+    raise WorkflowError(f"npuforge: {err}")
+
+
+validate(config, f"{SCHEMAS}/config.schema.yaml")
+try:
+    MODELS, TARGETS = load_registries(config, workflow.basedir)
+    validate(MODELS, f"{SCHEMAS}/models.schema.yaml")
+    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml")
+    check_registries(MODELS, TARGETS)
+    PLAN = make_plan(config, MODELS, TARGETS)
+    RUNTIME = config["toolchain"]["runtime"]
+    if PLAN.vendor_targets():
+        # Imported only when a vendor target is selected; the check itself is light.
+        from npuforge.toolchain import unavailable_reason
+
+        check_toolchains(PLAN, RUNTIME, unavailable_reason)
+except NpuforgeError as err:
+    _stop(err)
+
+RESULTS = config["results"].rstrip("/")
+
+
+wildcard_constraints:
+    model=r"[^/]+",
+    target=r"[^/]+",
+    precision=r"[^/]+",
+    key=r"[^/]+",
+    tokenizer=r"[^/]+",
+    backend=r"[a-z0-9]+",
+    runtime=r"[a-z]+",
+
+
+def as_json(data):
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def checkpoint_path(model):
+    return f"{RESULTS}/models/{model}/checkpoint.{MODELS[model]['format']}"
+
+
+def fetch_record(model):
+    return checkpoint_path(model) + ".json"
+
+
+def export_dir(model, key):
+    return f"{RESULTS}/export/{model}/{key}"
+
+
+def target_export_dirs(model, target):
+    return [export_dir(model, key) for key in PLAN.export_keys(model, target)]
+
+
+def export_cli_args(model, key):
+    options = PLAN.export_options(model, key)
+    args = [
+        f"--variant {options['variant']}",
+        f"--dtype {options['dtype']}",
+        f"--chunks {options['chunks']}",
+        f"--batch {options['batch']}",
+        f"--tokens {options['tokens']}",
+    ]
+    if options["ext_embedding"]:
+        args.append("--ext-embedding")
+    return " ".join(args)
+
+
+def export_mem_mb(model):
+    from npuforge.matrix import estimate_params
+
+    # fp32 weights, traced graph and serialized copy, with headroom.
+    return max(1000, int(estimate_params(MODELS[model]) * 4 * 4 / 1e6))
+
+
+def tokenizer_path(model):
+    return f"{RESULTS}/tokenizer/{MODELS[model]['tokenizer']}/tokenizer.bin"
+
+
+def verify_report(model, key):
+    return f"{RESULTS}/verify/{model}/{key}.json"
+
+
+def calibration_dir(model, target):
+    # Calibration follows the target's first (decode) export.
+    return f"{RESULTS}/calibration/{model}/{PLAN.export_keys(model, target)[0]}"
+
+
+def toolchain_stamp(backend):
+    return f"{RESULTS}/toolchains/{backend}-{RUNTIME}.json"
+
+
+def compile_dir(model, target, precision):
+    return f"{RESULTS}/compile/{model}/{target}/{precision}"
+
+
+def release_dir(model, target, precision):
+    return f"{RESULTS}/release/{model}/{target}/{precision}"
+
+
+def release_outputs():
+    outputs = []
+    for build in PLAN.builds:
+        path = release_dir(build.model, build.target, build.precision)
+        outputs += [path, f"{path}.tar.gz"]
+    return outputs
+
+
+def compile_inputs(wildcards):
+    backend = TARGETS[wildcards.target]["backend"]
+    inputs = {"exports": target_export_dirs(wildcards.model, wildcards.target)}
+    if PLAN.needs_calibration(wildcards.target, wildcards.precision):
+        inputs["calibration"] = calibration_dir(wildcards.model, wildcards.target)
+    if backend != REFERENCE_BACKEND:
+        inputs["toolchain"] = toolchain_stamp(backend)
+    return inputs
+
+
+def compile_optional_args(wildcards, input):
+    args = []
+    if "calibration" in input.keys():
+        args.append(f"--calibration {input.calibration}")
+    if "toolchain" in input.keys():
+        args.append(f"--toolchain {input.toolchain}")
+    return " ".join(args)
+
+
+def package_inputs(wildcards):
+    model, target = wildcards.model, wildcards.target
+    exports = target_export_dirs(model, target)
+    return {
+        "compiled": compile_dir(model, target, wildcards.precision),
+        "exports": exports,
+        "verify": [
+            verify_report(model, key) for key in PLAN.export_keys(model, target)
+        ],
+        "tokenizer": tokenizer_path(model),
+        "fetch_record": fetch_record(model),
+    }

@@ -1,0 +1,34 @@
+# Builds (or checks) a vendor toolchain environment once per backend and runtime.
+rule prepare_toolchain:
+    output:
+        f"{RESULTS}/toolchains/{{backend}}-{{runtime}}.json",
+    log:
+        f"{RESULTS}/logs/toolchains/{{backend}}-{{runtime}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=4000,
+    shell:
+        "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --out {output} > {log} 2>&1"
+
+
+rule compile:
+    input:
+        unpack(compile_inputs),
+    output:
+        directory(f"{RESULTS}/compile/{{model}}/{{target}}/{{precision}}"),
+    log:
+        f"{RESULTS}/logs/compile/{{model}}/{{target}}/{{precision}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
+    params:
+        backend=lambda w: TARGETS[w.target]["backend"],
+        options=lambda w: as_json(TARGETS[w.target]["options"]),
+        exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
+        optional=compile_optional_args,
+    shell:
+        "python workflow_scripts/compile_{params.backend}.py {params.exports} {params.optional} --target {wildcards.target} --target-options {params.options:q} --precision {wildcards.precision} --out-dir {output} > {log} 2>&1"

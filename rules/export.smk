@@ -1,0 +1,17 @@
+rule export:
+    input:
+        checkpoint=lambda w: checkpoint_path(w.model),
+        inspect=f"{RESULTS}/models/{{model}}/inspect.json",
+    output:
+        directory(f"{RESULTS}/export/{{model}}/{{key}}"),
+    log:
+        f"{RESULTS}/logs/export/{{model}}/{{key}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        options=lambda w: export_cli_args(w.model, w.key),
+    shell:
+        "python workflow_scripts/export_onnx.py --checkpoint {input.checkpoint} {params.options} --out-dir {output} > {log} 2>&1"

@@ -1,0 +1,32 @@
+rule fetch:
+    output:
+        checkpoint=f"{RESULTS}/models/{{model}}/checkpoint.{{fmt}}",
+        record=f"{RESULTS}/models/{{model}}/checkpoint.{{fmt}}.json",
+    log:
+        f"{RESULTS}/logs/fetch/{{model}}.{{fmt}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        source=lambda w: as_json(MODELS[w.model]["source"]),
+        sha256=lambda w: MODELS[w.model].get("sha256") or "",
+    shell:
+        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256 {params.sha256:q} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+
+
+rule inspect:
+    input:
+        checkpoint=lambda w: checkpoint_path(w.model),
+    output:
+        f"{RESULTS}/models/{{model}}/inspect.json",
+    log:
+        f"{RESULTS}/logs/inspect/{{model}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    shell:
+        "python workflow_scripts/inspect_checkpoint.py {input.checkpoint} --out {output} > {log} 2>&1"

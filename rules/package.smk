@@ -1,0 +1,22 @@
+rule package:
+    input:
+        unpack(package_inputs),
+    output:
+        bundle=directory(f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}"),
+        tarball=f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}.tar.gz",
+    log:
+        f"{RESULTS}/logs/package/{{model}}/{{target}}/{{precision}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=1000,
+    params:
+        model_entry=lambda w: as_json(MODELS[w.model]),
+        target_entry=lambda w: as_json(TARGETS[w.target]),
+        exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
+        verify=lambda w, input: " ".join(
+            f"--export-verification {f}" for f in input.verify
+        ),
+    shell:
+        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} --tokenizer {input.tokenizer} --fetch-record {input.fetch_record} --out-dir {output.bundle} --tarball {output.tarball} > {log} 2>&1"

@@ -1,0 +1,18 @@
+# Exported graphs against BlinkDL's rwkv package on the same checkpoint.
+rule verify_onnx:
+    input:
+        checkpoint=lambda w: checkpoint_path(w.model),
+        export=f"{RESULTS}/export/{{model}}/{{key}}",
+    output:
+        f"{RESULTS}/verify/{{model}}/{{key}}.json",
+    log:
+        f"{RESULTS}/logs/verify/{{model}}/{{key}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        tokens=config["verify"]["tokens"],
+    shell:
+        "python workflow_scripts/verify_onnx.py --checkpoint {input.checkpoint} --export {input.export} --tokens {params.tokens} --out {output} > {log} 2>&1"
