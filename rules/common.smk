@@ -39,7 +39,7 @@ try:
     validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml")
     check_registries(MODELS, TARGETS)
     PLAN = make_plan(config, MODELS, TARGETS)
-    RUNTIME = config["toolchain"]["runtime"]
+    RUNTIME = config["toolchain_runtime"]
     if PLAN.vendor_targets():
         # Imported only when a vendor target is selected; the check itself is light.
         from npuforge.toolchain import unavailable_reason

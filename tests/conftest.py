@@ -1,0 +1,64 @@
+"""Shared helpers for the workflow-spine tests: temporary workflow copies and runners."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What a workflow run needs from the checkout; results/ and .venv stay behind.
+WORKFLOW_PARTS = ("Snakefile", "config", "rules", "profiles", "envs", "workflow_scripts", "npuforge")
+
+
+def script_env(**extra) -> dict:
+    """Environment for a step CLI run as a subprocess: npuforge importable from the checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update({k: v for k, v in extra.items() if v is not None})
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+    return env
+
+
+def run_script(name: str, *args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "workflow_scripts" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env or script_env(),
+        cwd=cwd,
+    )
+
+
+def copy_workflow(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dest / part)
+    return dest
+
+
+def snakemake(workdir: Path, *args, check=False) -> subprocess.CompletedProcess:
+    """Run the real snakemake CLI of this interpreter in ``workdir``."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *map(str, args)]
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=script_env())
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(map(str, args))} failed:\n{result.stdout[-4000:]}\n"
+            f"{result.stderr[-4000:]}"
+        )
+    return result
+
+
+@pytest.fixture
+def workflow(tmp_path) -> Path:
+    """A private copy of the workflow to run snakemake in."""
+    return copy_workflow(tmp_path / "wf")

@@ -1,0 +1,207 @@
+"""Fetch: path and hf sources, sha256 checks, the real huggingface_hub client on loopback."""
+
+import hashlib
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import run_script, script_env
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO_ID = "npuforge-test/tiny-rwkv"
+FILENAME = "rwkv-tiny.pth"
+PAYLOAD = bytes(range(256)) * 64
+PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
+PRIVATE_REPO = "npuforge-test/private"
+TOKEN = "hf_loopback_test_token"
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    """Answers the hub's file-resolve requests: /{repo}/resolve/{revision}/{filename}."""
+
+    requests_seen: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _resolve(self):
+        self.requests_seen.append((self.command, self.path, self.headers.get("authorization")))
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if len(parts) < 5 or parts[2] != "resolve":
+            return self._fail(404, "EntryNotFound")
+        repo, revision, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+        if repo == PRIVATE_REPO and self.headers.get("authorization") != f"Bearer {TOKEN}":
+            return self._fail(401, "GatedRepo")
+        if repo not in (REPO_ID, PRIVATE_REPO):
+            return self._fail(404, "RepoNotFound")
+        if revision != COMMIT:
+            return self._fail(404, "RevisionNotFound")
+        if filename != FILENAME:
+            return self._fail(404, "EntryNotFound")
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("ETag", f'"{PAYLOAD_SHA}"')
+        self.send_header("Content-Length", str(len(PAYLOAD)))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        return True
+
+    def _fail(self, status, code):
+        body = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+        return False
+
+    def do_HEAD(self):  # noqa: N802 - http.server's naming
+        self._resolve()
+
+    def do_GET(self):  # noqa: N802
+        if self._resolve():
+            self.wfile.write(PAYLOAD)
+
+
+@pytest.fixture
+def hub():
+    HubHandler.requests_seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def hf_env(tmp_path, endpoint, **extra):
+    settings = {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_CACHE": None,
+        "HUGGINGFACE_HUB_CACHE": None,
+        "HF_TOKEN": None,
+        "HF_HUB_OFFLINE": None,
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    return script_env(**(settings | extra))
+
+
+def fetch_cli(tmp_path, source, sha256, env):
+    out = tmp_path / "out" / "checkpoint.pth"
+    record = tmp_path / "out" / "checkpoint.pth.json"
+    result = run_script(
+        "fetch_model.py",
+        "--source",
+        json.dumps(source),
+        "--sha256",
+        sha256,
+        "--out",
+        out,
+        "--record",
+        record,
+        env=env,
+    )
+    return result, out, record
+
+
+def hf_source(repo=REPO_ID):
+    return {"hf": {"repo": repo, "filename": FILENAME, "revision": COMMIT}}
+
+
+def leftovers(directory):
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_path_source_copies_and_records(tmp_path):
+    src = tmp_path / "local.pth"
+    src.write_bytes(PAYLOAD)
+    result, out, record = fetch_cli(tmp_path, {"path": str(src)}, PAYLOAD_SHA, script_env())
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == PAYLOAD
+    data = json.loads(record.read_text())
+    assert data["sha256"] == PAYLOAD_SHA and data["size"] == len(PAYLOAD)
+
+
+def test_path_sha256_mismatch_leaves_no_file(tmp_path):
+    src = tmp_path / "local.pth"
+    src.write_bytes(PAYLOAD)
+    result, out, _ = fetch_cli(tmp_path, {"path": str(src)}, "0" * 64, script_env())
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: sha256 mismatch"), result.stderr
+    assert leftovers(out.parent) == []
+    assert src.read_bytes() == PAYLOAD
+
+
+def test_missing_path_is_one_line_error(tmp_path):
+    result, out, _ = fetch_cli(tmp_path, {"path": str(tmp_path / "nope.pth")}, "", script_env())
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert leftovers(out.parent) == []
+
+
+def test_hf_download_through_loopback_hub(tmp_path, hub):
+    env = hf_env(tmp_path, hub)
+    result, out, record = fetch_cli(tmp_path, hf_source(), PAYLOAD_SHA, env)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == PAYLOAD
+    assert json.loads(record.read_text())["source"]["hf"]["revision"] == COMMIT
+    methods = {method for method, _, _ in HubHandler.requests_seen}
+    assert {"HEAD", "GET"} <= methods
+    assert all(f"/resolve/{COMMIT}/" in path for _, path, _ in HubHandler.requests_seen)
+    # The user's cache holds the blob under the hub's layout.
+    snapshot = (
+        tmp_path / "hf_home" / "hub" / "models--npuforge-test--tiny-rwkv" / "snapshots" / COMMIT
+    )
+    assert (snapshot / FILENAME).read_bytes() == PAYLOAD
+
+
+def test_hf_sha256_mismatch_leaves_no_file(tmp_path, hub):
+    result, out, record = fetch_cli(tmp_path, hf_source(), "f" * 64, hf_env(tmp_path, hub))
+    assert result.returncode == 2
+    assert "sha256 mismatch" in result.stderr
+    assert leftovers(out.parent) == []
+
+
+def test_hf_token_is_sent_from_environment(tmp_path, hub):
+    denied, out, _ = fetch_cli(tmp_path, hf_source(PRIVATE_REPO), PAYLOAD_SHA, hf_env(tmp_path, hub))
+    assert denied.returncode == 2
+    assert "HF_TOKEN" in denied.stderr and len(denied.stderr.strip().splitlines()) == 1
+    assert leftovers(out.parent) == []
+    env = hf_env(tmp_path, hub, HF_TOKEN=TOKEN)
+    allowed, out, _ = fetch_cli(tmp_path, hf_source(PRIVATE_REPO), PAYLOAD_SHA, env)
+    assert allowed.returncode == 0, allowed.stderr
+    assert out.read_bytes() == PAYLOAD
+
+
+def prefill_cache(hf_home):
+    """The hub cache layout huggingface_hub documents: blobs + snapshots/<commit> symlinks."""
+    repo_dir = hf_home / "hub" / "models--npuforge-test--tiny-rwkv"
+    (repo_dir / "blobs").mkdir(parents=True)
+    (repo_dir / "blobs" / PAYLOAD_SHA).write_bytes(PAYLOAD)
+    snapshot = repo_dir / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    os.symlink(f"../../blobs/{PAYLOAD_SHA}", snapshot / FILENAME)
+
+
+def test_hf_offline_mode_uses_prefilled_cache(tmp_path):
+    prefill_cache(tmp_path / "hf_home")
+    # Nothing listens on this port: any network access would fail.
+    env = hf_env(tmp_path, "http://127.0.0.1:9", HF_HUB_OFFLINE="1")
+    result, out, _ = fetch_cli(tmp_path, hf_source(), PAYLOAD_SHA, env)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == PAYLOAD
+
+
+def test_hf_offline_without_cache_says_what_to_do(tmp_path):
+    env = hf_env(tmp_path, "http://127.0.0.1:9", HF_HUB_OFFLINE="1")
+    result, out, _ = fetch_cli(tmp_path, hf_source(), PAYLOAD_SHA, env)
+    assert result.returncode == 2
+    assert "HF_HUB_OFFLINE" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert leftovers(out.parent) == []
