@@ -1,0 +1,314 @@
+"""Vendor toolchain environments: prepare them, check them, run jobs in them.
+
+A vendor toolkit pins its own Python, numpy, onnx and torch, so it never runs
+in the main environment. Each backend has ``envs/<backend>/`` with a
+``requirements.lock``, a ``Containerfile`` and a ``versions.py``. A toolchain
+is prepared once per (backend, runtime) and described by a *stamp* JSON file;
+jobs then run as ``python <job_script> <spec.json>`` inside it.
+
+Runtimes:
+  native  a venv built from the lock (the stamp names its python)
+  podman  an image built from the Containerfile (the stamp names the image)
+  docker  the same with docker
+
+This module is imported while Snakemake parses the workflow: keep it free of
+heavy imports.
+"""
+
+import functools
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import write_json
+
+RUNTIMES = ("native", "podman", "docker")
+CONTAINER_RUNTIMES = ("podman", "docker")
+BASE_IMAGE = "localhost/npuforge-base:bookworm"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where the python of a toolchain image lives; every Containerfile puts its venv here.
+CONTAINER_PYTHON = "/opt/toolchain/bin/python"
+
+
+def env_dir(backend: str, repo_root=None) -> Path:
+    return Path(repo_root or REPO_ROOT) / "envs" / backend
+
+
+def env_hash(backend: str, repo_root=None) -> str:
+    """Content hash of envs/<backend>/: names the image and the venv, so an edit rebuilds."""
+    root = env_dir(backend, repo_root)
+    if not root.is_dir():
+        raise NpuforgeError(f"no toolchain definition for backend '{backend}': expected {root}/")
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def image_name(backend: str, repo_root=None) -> str:
+    return f"localhost/npuforge-{backend}:{env_hash(backend, repo_root)}"
+
+
+def _backend_module(backend: str):
+    try:
+        return importlib.import_module(f"npuforge.backends.{backend}")
+    except ModuleNotFoundError:
+        return None
+
+
+@functools.cache
+def _engine_problem(engine: str) -> str | None:
+    if shutil.which(engine) is None:
+        return (
+            f"container engine '{engine}' is not installed: install it "
+            f"(Debian: apt-get install {engine}) or choose another toolchain runtime "
+            "(toolchain_runtime=native in config)"
+        )
+    try:
+        probe = subprocess.run(
+            [engine, "info", "--format", "{{.Host.Arch}}" if engine == "podman" else "{{.Arch}}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return f"container engine '{engine}' did not answer in 60 s: check it with '{engine} info'"
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return (
+            f"container engine '{engine}' is installed but not usable ({reason}): start it or "
+            "choose another toolchain runtime (toolchain_runtime=native in config)"
+        )
+    return None
+
+
+def unavailable_reason(backend: str, runtime: str, target_options=None) -> str | None:
+    """Why this toolchain cannot run here, as one line; None when it can.
+
+    Cheap enough to call while the workflow is parsed, so that a missing
+    toolchain stops the run before any job starts.
+    """
+    if runtime not in RUNTIMES:
+        return f"unknown toolchain runtime '{runtime}': choose one of {', '.join(RUNTIMES)}"
+    if runtime in CONTAINER_RUNTIMES:
+        problem = _engine_problem(runtime)
+        if problem:
+            return problem
+    module = _backend_module(backend)
+    check = getattr(module, "unavailable_reason", None)
+    if check is not None:
+        return check(runtime, dict(target_options or {}))
+    return None
+
+
+def _native_base_python(backend: str, target_options) -> str:
+    module = _backend_module(backend)
+    chooser = getattr(module, "native_python", None)
+    if chooser is not None:
+        return chooser(dict(target_options or {}))
+    return sys.executable
+
+
+def _run(cmd, *, log, env=None, what):
+    log.write(f"$ {' '.join(map(str, cmd))}\n")
+    log.flush()
+    result = subprocess.run(
+        [str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, text=True
+    )
+    if result.returncode != 0:
+        raise NpuforgeError(f"{what} failed (exit {result.returncode}): see {log.name}")
+
+
+def _pip_environment() -> dict:
+    """The host's pip settings that a build needs to reach the registry as set up here."""
+    keep = (
+        "PIP_CERT",
+        "PIP_INDEX_URL",
+        "PIP_EXTRA_INDEX_URL",
+        "PIP_FIND_LINKS",
+        "PIP_DEFAULT_TIMEOUT",
+    )
+    return {k: os.environ[k] for k in keep if os.environ.get(k)}
+
+
+def _versions_native(python: str, backend: str, repo_root) -> dict:
+    script = env_dir(backend, repo_root) / "versions.py"
+    out = subprocess.run([python, str(script)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise NpuforgeError(
+            f"toolchain '{backend}' is broken: {script.name} failed: "
+            + (out.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+    return json.loads(out.stdout)
+
+
+def _prepare_native(backend, stamp_path, repo_root, target_options, log) -> dict:
+    lock = env_dir(backend, repo_root) / "requirements.lock"
+    if not lock.is_file():
+        raise NpuforgeError(f"backend '{backend}' has no {lock}: cannot build a native toolchain")
+    venv = Path(stamp_path).resolve().parent / f"{backend}-native-{env_hash(backend, repo_root)}"
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        base = _native_base_python(backend, target_options)
+        try:
+            _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
+            env = {**os.environ, **_pip_environment()}
+            _run(
+                [python, "-m", "pip", "install", "--no-input", "-r", lock],
+                log=log,
+                env=env,
+                what=f"installing {lock}",
+            )
+        except BaseException:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise
+        (venv / ".complete").write_text("ok\n")
+    return {"python": str(python), "versions": _versions_native(str(python), backend, repo_root)}
+
+
+def build_base_image(engine: str, log) -> None:
+    """Build the Debian bookworm base image from the configured apt mirror (no registry needed)."""
+    script = REPO_ROOT / "envs" / "base" / "build-base-image.sh"
+    _run(["bash", script, engine, BASE_IMAGE], log=log, what="building the base image")
+
+
+def _image_exists(engine: str, image: str) -> bool:
+    if engine == "podman":
+        return subprocess.run([engine, "image", "exists", image]).returncode == 0
+    probe = subprocess.run([engine, "image", "inspect", image], capture_output=True)
+    return probe.returncode == 0
+
+
+def _prepare_container(backend, engine, repo_root, log) -> dict:
+    image = image_name(backend, repo_root)
+    if not _image_exists(engine, image):
+        if not _image_exists(engine, BASE_IMAGE):
+            build_base_image(engine, log)
+        cmd = [engine, "build", "--network=host", "-t", image]
+        cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+        if cert and Path(cert).is_file():
+            # pip inside the build trusts what the host's pip trusts.
+            cmd += ["--volume", f"{cert}:/etc/npuforge-host-ca.crt:ro"]
+            cmd += ["--build-arg", "PIP_CERT=/etc/npuforge-host-ca.crt"]
+        cmd += ["-f", env_dir(backend, repo_root) / "Containerfile", env_dir(backend, repo_root)]
+        _run(cmd, log=log, what=f"building image {image}")
+    versions = subprocess.run(
+        [engine, "run", "--rm", "--network=none", "-i", image, CONTAINER_PYTHON, "-"],
+        input=(env_dir(backend, repo_root) / "versions.py").read_text(),
+        capture_output=True,
+        text=True,
+    )
+    if versions.returncode != 0:
+        raise NpuforgeError(
+            f"image {image} is broken: versions.py failed: "
+            + (versions.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+    return {"image": image, "versions": json.loads(versions.stdout)}
+
+
+def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None, log_path=None):
+    """Build (or reuse) the toolchain environment and write its stamp JSON."""
+    reason = unavailable_reason(backend, runtime, target_options)
+    if reason:
+        raise NpuforgeError(reason)
+    stamp_path = Path(stamp_path)
+    stamp_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path or stamp_path.with_suffix(".log"))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        if runtime == "native":
+            described = _prepare_native(backend, stamp_path, repo_root, target_options, log)
+        else:
+            described = _prepare_container(backend, runtime, repo_root, log)
+    stamp = {
+        "backend": backend,
+        "runtime": runtime,
+        "env_hash": env_hash(backend, repo_root),
+        **described,
+    }
+    write_json(stamp_path, stamp)
+    return stamp
+
+
+def read_stamp(stamp_path) -> dict:
+    try:
+        return json.loads(Path(stamp_path).read_text())
+    except FileNotFoundError:
+        raise NpuforgeError(
+            f"toolchain stamp {stamp_path} is missing: prepare the toolchain first "
+            "(workflow_scripts/prepare_toolchain.py)"
+        ) from None
+
+
+def _last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "error" in line.lower():
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def container_command(stamp, job_script, spec_path, *, read_only=(), writable=(), env=None):
+    """The engine command line that runs one job; pure, so tests can check it."""
+    engine = stamp["runtime"]
+    job_script = Path(job_script).resolve()
+    spec_path = Path(spec_path).resolve()
+    cmd = [engine, "run", "--rm", "--network=none", "--tmpfs", "/tmp", "--workdir", "/tmp"]
+    uid, gid = os.getuid(), os.getgid()
+    if engine == "podman" and uid != 0:
+        cmd += ["--userns=keep-id"]
+    cmd += ["--user", f"{uid}:{gid}", "-e", "HOME=/tmp"]
+    for key, value in sorted((env or {}).items()):
+        cmd += ["-e", f"{key}={value}"]
+    mounts = {job_script.parent: "ro", spec_path: "ro"}
+    for path in read_only:
+        mounts.setdefault(Path(path).resolve(), "ro")
+    for path in writable:
+        mounts[Path(path).resolve()] = "rw"
+    for path, mode in sorted(mounts.items()):
+        cmd += ["--volume", f"{path}:{path}:{mode}"]
+    cmd += [stamp["image"], CONTAINER_PYTHON, str(job_script), str(spec_path)]
+    return cmd
+
+
+def run_job(
+    stamp_path, job_script, spec_path, *, read_only=(), writable=(), env=None, log_path=None
+):
+    """Run ``python job_script spec_path`` in the toolchain; raise NpuforgeError on failure."""
+    stamp = read_stamp(stamp_path)
+    if stamp["runtime"] == "native":
+        cmd = [stamp["python"], str(Path(job_script).resolve()), str(Path(spec_path).resolve())]
+        full_env = {**os.environ, **(env or {})}
+    else:
+        for path in writable:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        cmd = container_command(
+            stamp, job_script, spec_path, read_only=read_only, writable=writable, env=env
+        )
+        full_env = None
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as captured:
+        result = subprocess.run(
+            cmd, stdout=captured, stderr=subprocess.STDOUT, env=full_env, text=True
+        )
+        captured.seek(0)
+        output = captured.read()
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(f"$ {' '.join(map(str, cmd))}\n{output}")
+    if result.returncode != 0:
+        where = f" (full log: {log_path})" if log_path else ""
+        raise NpuforgeError(
+            f"{stamp['backend']} job failed in the {stamp['runtime']} toolchain: "
+            f"{_last_error_line(output)}{where}"
+        )
+    return output

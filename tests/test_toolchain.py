@@ -1,0 +1,190 @@
+"""The toolchain runner: native venvs, container command lines, failures as one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from npuforge import toolchain
+from npuforge.errors import NpuforgeError
+
+VERSIONS_PY = "import json, sys\nprint(json.dumps({'python': sys.version.split()[0]}))\n"
+
+JOB_PY = textwrap.dedent(
+    """
+    import json, os, sys
+    spec = json.load(open(sys.argv[1]))
+    if spec.get("fail"):
+        print("progress line")
+        print("RuntimeError: the compiler rejected node X", file=sys.stderr)
+        sys.exit(3)
+    with open(os.path.join(spec["out_dir"], "result.txt"), "w") as out:
+        out.write(open(spec["input"]).read().upper() + os.environ.get("EXTRA", ""))
+    """
+)
+
+
+def make_backend(root: Path, name="toy", lock="", containerfile=None) -> Path:
+    env = root / "envs" / name
+    env.mkdir(parents=True)
+    (env / "requirements.lock").write_text(lock)
+    (env / "versions.py").write_text(VERSIONS_PY)
+    if containerfile:
+        (env / "Containerfile").write_text(containerfile)
+    return env
+
+
+def write_job(tmp_path: Path, **spec):
+    job = tmp_path / "jobs" / "toy_job.py"
+    job.parent.mkdir(exist_ok=True)
+    job.write_text(JOB_PY)
+    (tmp_path / "in.txt").write_text("hello")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(
+        json.dumps({"input": str(tmp_path / "in.txt"), "out_dir": str(out_dir), **spec})
+    )
+    return job, spec_path, out_dir
+
+
+def test_env_hash_follows_content(tmp_path):
+    env = make_backend(tmp_path)
+    before = toolchain.env_hash("toy", tmp_path)
+    assert before == toolchain.env_hash("toy", tmp_path)
+    (env / "requirements.lock").write_text("numpy==2.0.0\n")
+    assert toolchain.env_hash("toy", tmp_path) != before
+    assert toolchain.image_name("toy", tmp_path).endswith(":" + toolchain.env_hash("toy", tmp_path))
+
+
+def test_unknown_backend_and_runtime_are_one_line_errors(tmp_path):
+    with pytest.raises(NpuforgeError, match="no toolchain definition for backend 'nope'"):
+        toolchain.env_hash("nope", tmp_path)
+    reason = toolchain.unavailable_reason("toy", "kubernetes")
+    assert "unknown toolchain runtime 'kubernetes'" in reason and "native" in reason
+
+
+def test_missing_engine_is_reported(monkeypatch):
+    toolchain._engine_problem.cache_clear()
+    monkeypatch.setattr(toolchain.shutil, "which", lambda name: None)
+    reason = toolchain.unavailable_reason("toy", "docker")
+    toolchain._engine_problem.cache_clear()
+    assert "container engine 'docker' is not installed" in reason
+    assert "\n" not in reason
+
+
+def test_native_prepare_and_run(tmp_path):
+    make_backend(tmp_path)
+    stamp_path = tmp_path / "toolchains" / "toy-native.json"
+    stamp = toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    assert json.loads(stamp_path.read_text()) == stamp
+    assert stamp["versions"]["python"] == sys.version.split()[0]
+    assert Path(stamp["python"]).is_file()
+
+    job, spec, out_dir = write_job(tmp_path)
+    toolchain.run_job(stamp_path, job, spec, env={"EXTRA": "!"}, log_path=tmp_path / "job.log")
+    assert (out_dir / "result.txt").read_text() == "HELLO!"
+
+    # A second prepare reuses the finished venv.
+    marker = Path(stamp["python"]).parents[1] / ".complete"
+    mtime = marker.stat().st_mtime_ns
+    toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    assert marker.stat().st_mtime_ns == mtime
+
+
+def test_failed_job_raises_its_error_line(tmp_path):
+    make_backend(tmp_path)
+    stamp_path = tmp_path / "toy-native.json"
+    toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    job, spec, _ = write_job(tmp_path, fail=True)
+    with pytest.raises(NpuforgeError) as err:
+        toolchain.run_job(stamp_path, job, spec, log_path=tmp_path / "job.log")
+    message = str(err.value)
+    assert "RuntimeError: the compiler rejected node X" in message
+    assert "job.log" in message and "\n" not in message
+    assert "progress line" in (tmp_path / "job.log").read_text()
+
+
+def test_broken_lock_leaves_no_venv(tmp_path):
+    make_backend(tmp_path, lock="this-package-does-not-exist-npuforge==0.0.0\n")
+    stamp_path = tmp_path / "toolchains" / "toy-native.json"
+    with pytest.raises(NpuforgeError, match="installing"):
+        toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    assert not stamp_path.exists()
+    assert not list((tmp_path / "toolchains").glob("toy-native-*"))
+
+
+def test_missing_stamp_says_how_to_prepare(tmp_path):
+    with pytest.raises(NpuforgeError, match="prepare the toolchain first"):
+        toolchain.run_job(tmp_path / "none.json", "job.py", "spec.json")
+
+
+def test_container_command_isolates_the_job(tmp_path):
+    stamp = {"backend": "toy", "runtime": "podman", "image": "localhost/npuforge-toy:abc"}
+    job = tmp_path / "jobs" / "toy_job.py"
+    cmd = toolchain.container_command(
+        stamp,
+        job,
+        tmp_path / "spec.json",
+        read_only=[tmp_path / "in"],
+        writable=[tmp_path / "out"],
+        env={"MALLOC_PERTURB_": "0"},
+    )
+    assert cmd[:3] == ["podman", "run", "--rm"]
+    assert "--network=none" in cmd
+    assert cmd[cmd.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
+    volumes = [cmd[i + 1] for i, part in enumerate(cmd) if part == "--volume"]
+    assert f"{tmp_path / 'in'}:{tmp_path / 'in'}:ro" in volumes
+    assert f"{tmp_path / 'out'}:{tmp_path / 'out'}:rw" in volumes
+    assert f"{job.parent}:{job.parent}:ro" in volumes
+    assert cmd[-4:] == [
+        stamp["image"],
+        toolchain.CONTAINER_PYTHON,
+        str(job),
+        str(tmp_path / "spec.json"),
+    ]
+    assert "MALLOC_PERTURB_=0" in cmd
+
+
+def podman_with_base_image():
+    if shutil.which("podman") is None:
+        return "podman is not installed (envs/base/setup-podman.sh installs it)"
+    if toolchain.unavailable_reason("toy", "podman"):
+        return toolchain.unavailable_reason("toy", "podman")
+    if subprocess.run(["podman", "image", "exists", toolchain.BASE_IMAGE]).returncode != 0:
+        return f"base image {toolchain.BASE_IMAGE} is not built (envs/base/build-base-image.sh)"
+    return None
+
+
+@pytest.mark.skipif(podman_with_base_image() is not None, reason=str(podman_with_base_image()))
+def test_podman_runtime_runs_the_job_offline_as_the_user(tmp_path):
+    containerfile = textwrap.dedent(
+        f"""
+        FROM {toolchain.BASE_IMAGE}
+        RUN apt-get update -qq && apt-get install -y -qq python3-minimal >/dev/null \\
+            && mkdir -p /opt/toolchain/bin && ln -s /usr/bin/python3 {toolchain.CONTAINER_PYTHON}
+        """
+    )
+    make_backend(tmp_path, containerfile=containerfile)
+    stamp_path = tmp_path / "toy-podman.json"
+    stamp = toolchain.prepare("toy", "podman", stamp_path, repo_root=tmp_path)
+    try:
+        assert stamp["image"] == toolchain.image_name("toy", tmp_path)
+        job, spec, out_dir = write_job(tmp_path)
+        toolchain.run_job(
+            stamp_path, job, spec, read_only=[tmp_path / "in.txt"], writable=[out_dir]
+        )
+        result = out_dir / "result.txt"
+        assert result.read_text() == "HELLO"
+        assert result.stat().st_uid == os.getuid()
+
+        job, spec, _ = write_job(tmp_path, fail=True)
+        with pytest.raises(NpuforgeError, match="the compiler rejected node X"):
+            toolchain.run_job(stamp_path, job, spec, writable=[out_dir])
+    finally:
+        subprocess.run(["podman", "rmi", "-f", stamp["image"]], capture_output=True)
