@@ -10,7 +10,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # What a workflow run needs from the checkout; results/ and .venv stay behind.
-WORKFLOW_PARTS = ("Snakefile", "config", "rules", "profiles", "envs", "workflow_scripts", "npuforge")
+WORKFLOW_PARTS = (
+    "Snakefile",
+    "config",
+    "rules",
+    "profiles",
+    "envs",
+    "workflow_scripts",
+    "npuforge",
+)
 
 
 def script_env(**extra) -> dict:

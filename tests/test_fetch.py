@@ -7,7 +7,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import run_script, script_env
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -170,7 +169,8 @@ def test_hf_sha256_mismatch_leaves_no_file(tmp_path, hub):
 
 
 def test_hf_token_is_sent_from_environment(tmp_path, hub):
-    denied, out, _ = fetch_cli(tmp_path, hf_source(PRIVATE_REPO), PAYLOAD_SHA, hf_env(tmp_path, hub))
+    env = hf_env(tmp_path, hub)
+    denied, out, _ = fetch_cli(tmp_path, hf_source(PRIVATE_REPO), PAYLOAD_SHA, env)
     assert denied.returncode == 2
     assert "HF_TOKEN" in denied.stderr and len(denied.stderr.strip().splitlines()) == 1
     assert leftovers(out.parent) == []
