@@ -1,0 +1,600 @@
+"""Llama-family decoder (Llama, Qwen2-style QKV bias, SmolLM2) as static NPU graphs.
+
+One file, plain torch, in the spirit of nanoGPT's model.py:
+
+    config.json + *.safetensors ──► LlamaConfig / load_llama ──► Llama (torch)
+                                                                    │
+                       export_llama ──► chunk{i}.onnx + export.json ┘
+
+The graphs are static: every call processes ``tokens`` positions (AR-N prefill
+or AR-1 decode) against a fixed-size KV cache.
+
+KV cache (one K and one V tensor per layer, [batch, kv_heads, cache_len, head_dim])
+is explicit graph I/O. The update is mask based, never a shift: the graph takes
+the whole cache and returns the whole cache with the new entries written at the
+absolute positions given by ``position_ids``::
+
+    write = (position_ids[:, None, :] == arange(cache_len)[:, None])   # [B, L, T]
+    cache_out = cache * (1 - write.sum(-1)) + write @ new_entries
+
+so a runner feeds ``cache_out`` back as ``cache`` unchanged. Attention runs over
+the updated cache; the additive ``attention_mask`` input hides every slot at or
+beyond the query's own position + 1 (stale or empty slots).
+
+Extra graph inputs (roles beyond tokens/hidden/state/logits):
+
+    position_ids    [batch, tokens] int64           role "position"
+    attention_mask  [batch, 1, tokens, cache_len]   role "mask" (0 or MASK_VALUE)
+
+``extra_inputs`` builds both for a runner from the absolute position of the
+first token of the call.
+
+The attention of layer i is exported under the ONNX name scope
+``/layers.{i}/self_attn/`` with projections ``q_proj``/``k_proj``/``v_proj``/
+``o_proj``; npuforge.passes.mha_to_sha relies on that layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import atomic_path, sha256_file, write_json
+
+# Additive mask for hidden slots. Finite so fp16 graphs and quantizers stay sane;
+# exp(-1e4) is exactly 0 in fp32 and fp16.
+MASK_VALUE = -1.0e4
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+ONNX_OPSET = 17
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """rope_theta and scaling from either the transformers<5 or >=5 config layout."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_type = (scaling or params).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise NpuforgeError(
+            f"RoPE type {rope_type!r} is not supported by the llama family "
+            "(supported: default, llama3); pick a checkpoint with plain or llama3 RoPE"
+        )
+    source = scaling or params
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return float(theta), {"rope_type": "llama3", **{k: float(source[k]) for k in keys}}
+
+
+def load_config(checkpoint_dir) -> LlamaConfig:
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise NpuforgeError(f"{path} not found; point --checkpoint at a Hugging Face model folder")
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NpuforgeError(
+            f"{path}: model_type {model_type!r} is not in the llama family "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise NpuforgeError(f"{path}: hidden_act {raw['hidden_act']!r} unsupported; need silu")
+    if raw.get("use_sliding_window"):
+        raise NpuforgeError(f"{path}: sliding-window attention is unsupported; disable it")
+    heads = int(raw["num_attention_heads"])
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise NpuforgeError(f"{path}: {heads} heads is not a multiple of {kv_heads} kv heads")
+    theta, scaling = _rope_settings(raw)
+    # Qwen2 always has q/k/v bias and no o bias; Llama has one switch for all four.
+    is_qwen2 = model_type == "qwen2"
+    attention_bias = bool(raw.get("attention_bias", False))
+    return LlamaConfig(
+        model_type=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] (float64), with llama3 scaling when configured."""
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+    )
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = cfg.rope_scaling
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    # Between the two wavelengths, blend the scaled and unscaled frequencies.
+    smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+        s["high_freq_factor"] - s["low_freq_factor"]
+    )
+    blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables [length, head_dim] (float32), halves duplicated as in HF."""
+    inv_freq = rope_inv_freq(cfg).astype(np.float32)
+    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def load_state_dict(checkpoint_dir) -> dict:
+    """All tensors of every *.safetensors file in the folder, as float32 torch tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise NpuforgeError(f"no *.safetensors in {checkpoint_dir}; fetch the whole model snapshot")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return {name: t.to(torch.float32) for name, t in tensors.items()}
+
+
+def inspect_llama(checkpoint_dir) -> dict:
+    """Dimensions the chunk planners and reports need, from config.json and the weights."""
+    from safetensors import safe_open
+
+    cfg = load_config(checkpoint_dir)
+    n_params = 0
+    has_lm_head = False
+    for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="numpy") as handle:
+            for name in handle.keys():
+                n_params += int(np.prod(handle.get_slice(name).get_shape()))
+                has_lm_head |= name == "lm_head.weight"
+    return {
+        "family": "llama",
+        "arch": cfg.model_type,
+        "n_layers": cfg.num_layers,
+        "embed_dim": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
+        "n_params": n_params,
+        "tied": cfg.tie_word_embeddings and not has_lm_head,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+
+
+# --------------------------------------------------------------------------- torch model
+
+
+def _torch_modules():
+    """Module classes are built lazily so importing this file does not import torch."""
+    import torch
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim, eps):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.eps = eps
+
+        def forward(self, x):
+            variance = x.pow(2).mean(-1, keepdim=True)
+            return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    class Attention(nn.Module):
+        def __init__(self, cfg: LlamaConfig):
+            super().__init__()
+            self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            e, d = cfg.hidden_size, cfg.head_dim
+            self.q_proj = nn.Linear(e, self.heads * d, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
+            self.o_proj = nn.Linear(self.heads * d, e, bias=cfg.o_bias)
+
+        def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
+            b, t, _ = x.shape
+            h, kv, d = self.heads, self.kv_heads, self.head_dim
+            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
+            k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
+            v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            # Mask-based cache update: clear the written slots, add the new rows there.
+            k_cache = k_cache * keep + torch.matmul(write, k)
+            v_cache = v_cache * keep + torch.matmul(write, v)
+            # GQA without repeating K/V: the G query heads sharing a kv head are
+            # stacked along the token axis, [B, KV, G*T, D].
+            q = (q * d**-0.5).reshape(b, kv, (h // kv) * t, d)
+            scores = torch.matmul(q, k_cache.transpose(2, 3)).view(b, h, t, -1) + mask
+            probs = torch.softmax(scores, dim=-1).view(b, kv, (h // kv) * t, -1)
+            out = torch.matmul(probs, v_cache).view(b, h, t, d).transpose(1, 2)
+            return self.o_proj(out.reshape(b, t, h * d)), k_cache, v_cache
+
+    class MLP(nn.Module):
+        def __init__(self, cfg: LlamaConfig):
+            super().__init__()
+            e, f = cfg.hidden_size, cfg.intermediate_size
+            self.gate_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
+            self.up_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(f, e, bias=cfg.mlp_bias)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Block(nn.Module):
+        def __init__(self, cfg: LlamaConfig):
+            super().__init__()
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.self_attn = Attention(cfg)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp = MLP(cfg)
+
+        def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
+            a, k_cache, v_cache = self.self_attn(
+                self.input_layernorm(x), cos, sin, write, keep, mask, k_cache, v_cache
+            )
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+    class Llama(nn.Module):
+        """The whole decoder; ``forward`` runs layers [first, last) of a chunk."""
+
+        def __init__(self, cfg: LlamaConfig, cache_len: int):
+            super().__init__()
+            self.cfg, self.cache_len = cfg, cache_len
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+            cos, sin = rope_tables(cfg, cache_len)
+            self.register_buffer("rope_cos", torch.from_numpy(cos), persistent=False)
+            self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
+            self.register_buffer("slots", torch.arange(cache_len), persistent=False)
+
+        def forward(self, x, position_ids, attention_mask, caches, first=0, last=None):
+            """x: token ids [B, T] when first == 0, else hidden [B, T, E].
+
+            caches: [k_0, v_0, k_1, v_1, ...] for layers first..last-1.
+            Returns (hidden or logits, updated caches in the same order).
+            """
+            last = self.cfg.num_layers if last is None else last
+            if first == 0:
+                x = self.embed_tokens(x)
+            cos = self.rope_cos[position_ids].unsqueeze(1)  # [B, 1, T, D]
+            sin = self.rope_sin[position_ids].unsqueeze(1)
+            write = (self.slots[None, :, None] == position_ids[:, None, :]).to(x.dtype)
+            keep = 1.0 - write.sum(-1, keepdim=True)
+            write, keep = write.unsqueeze(1), keep.unsqueeze(1)  # [B,1,L,T], [B,1,L,1]
+            new_caches = []
+            for offset, layer in enumerate(self.layers[first:last]):
+                x, k, v = layer(
+                    x, cos, sin, write, keep, attention_mask, *caches[2 * offset : 2 * offset + 2]
+                )
+                new_caches += [k, v]
+            if last == self.cfg.num_layers:
+                x = self.lm_head(self.norm(x))
+            return x, new_caches
+
+    return Llama
+
+
+def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int):
+    """A Llama torch module in eval mode with the checkpoint's weights loaded."""
+    import torch
+
+    model = _torch_modules()(cfg, cache_len)
+    weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise NpuforgeError("checkpoint has no lm_head.weight and config says untied embeddings")
+    expected = {
+        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing, unexpected = expected - weights.keys(), weights.keys() - expected
+    # Some checkpoints store derived rotary buffers; they are recomputed here.
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise NpuforgeError(
+            f"checkpoint tensors do not match the {cfg.model_type} layout "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); "
+            "check config.json belongs to these weights"
+        )
+    with torch.no_grad():
+        model.load_state_dict({k: weights[k] for k in expected}, strict=False)
+    return model.eval()
+
+
+def load_llama(checkpoint_dir, cache_len: int):
+    cfg = load_config(checkpoint_dir)
+    return build_model(cfg, load_state_dict(checkpoint_dir), cache_len)
+
+
+# --------------------------------------------------------------------------- runner inputs
+
+
+def position_ids(batch: int, tokens: int, position: int) -> np.ndarray:
+    ids = np.arange(position, position + tokens, dtype=np.int64)
+    return np.broadcast_to(ids, (batch, tokens)).copy()
+
+
+def attention_mask(batch: int, tokens: int, cache_len: int, position: int, dtype=np.float32):
+    """Additive mask: query t (absolute position+t) sees cache slots 0..position+t."""
+    visible = np.arange(cache_len)[None, :] <= (position + np.arange(tokens))[:, None]
+    mask = np.where(visible, 0.0, MASK_VALUE).astype(dtype)
+    return np.broadcast_to(mask, (batch, 1, tokens, cache_len)).copy()
+
+
+def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarray:
+    """Value of a llama-specific graph input for a call whose first token is at ``position``."""
+    batch, tokens = export_meta["batch"], export_meta["tokens_per_call"]
+    cache_len = export_meta["cache_len"]
+    if position < 0 or position + tokens > cache_len:
+        raise NpuforgeError(
+            f"position {position} + {tokens} tokens exceeds the exported cache of {cache_len}; "
+            "export with a larger cache_len or shorten the run"
+        )
+    role = input_spec.get("role")
+    if role == "position":
+        return position_ids(batch, tokens, position)
+    if role == "mask":
+        return attention_mask(batch, tokens, cache_len, position, np.dtype(input_spec["dtype"]))
+    raise NpuforgeError(f"llama graphs have no input role {role!r} ({input_spec.get('name')})")
+
+
+# --------------------------------------------------------------------------- export
+
+
+def split_layers(n_layers: int, chunks: int) -> list[tuple[int, int]]:
+    if not 1 <= chunks <= n_layers:
+        raise NpuforgeError(f"chunks must be between 1 and {n_layers} (n_layers), got {chunks}")
+    bounds = [round(i * n_layers / chunks) for i in range(chunks + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype):
+    """(inputs, outputs) specs of one chunk, in graph order, in export.json shape."""
+    fdt = str(np.dtype(np_dtype))
+    cache_shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
+    if first == 0:
+        inputs = [{"name": "tokens", "shape": [batch, tokens], "dtype": "int64", "role": "tokens"}]
+    else:
+        shape = [batch, tokens, cfg.hidden_size]
+        inputs = [{"name": "hidden_in", "shape": shape, "dtype": fdt, "role": "hidden"}]
+    inputs += [
+        {"name": "position_ids", "shape": [batch, tokens], "dtype": "int64", "role": "position"},
+        {
+            "name": "attention_mask",
+            "shape": [batch, 1, tokens, cache_len],
+            "dtype": fdt,
+            "role": "mask",
+        },
+    ]
+    if last == cfg.num_layers:
+        shape = [batch, tokens, cfg.vocab_size]
+        outputs = [{"name": "logits", "shape": shape, "dtype": fdt, "role": "logits"}]
+    else:
+        shape = [batch, tokens, cfg.hidden_size]
+        outputs = [{"name": "hidden_out", "shape": shape, "dtype": fdt, "role": "hidden"}]
+    for layer in range(first, last):
+        for kind in ("k", "v"):
+            name = cache_name(layer, kind)
+            state = {"name": name, "shape": cache_shape, "dtype": fdt, "role": "state"}
+            inputs.append({**state, "output": f"{name}_out"})
+            outputs.append({**state, "name": f"{name}_out"})
+    return inputs, outputs
+
+
+def cache_name(layer: int, kind: str) -> str:
+    """Graph input name of layer ``layer``'s K (kind "k") or V cache; the output adds _out."""
+    return f"cache_{layer}_{kind}"
+
+
+def _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype):
+    import torch
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, position, mask, *caches):
+            y, new_caches = self.model(x, position, mask, list(caches), first, last)
+            return (y, *new_caches)
+
+    examples = []
+    for spec in inputs:
+        if spec["dtype"] == "int64":
+            examples.append(torch.zeros(spec["shape"], dtype=torch.int64))
+        else:
+            examples.append(torch.zeros(spec["shape"], dtype=model.embed_tokens.weight.dtype))
+    # The TorchScript exporter keeps module scopes in node names (/layers.{i}/self_attn/...),
+    # which the MHA->SHA pass keys on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            Chunk().eval(),
+            tuple(examples),
+            str(path),
+            input_names=[s["name"] for s in inputs],
+            output_names=[s["name"] for s in outputs],
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    _canonicalize_names(path)
+
+
+def _canonicalize_names(path):
+    """Give nodes and weights stable, readable names the MHA->SHA pass can key on.
+
+    The exporter's wrapper adds '/model' to node names ('/model/layers.0/...' becomes
+    '/layers.0/...'), and transposed Linear weights arrive as 'onnx::MatMul_<n>';
+    they are renamed '<module path>.weight_t' ([in, out]) after the MatMul that reads them.
+    """
+    import onnx
+
+    proto = onnx.load(str(path))
+    graph = proto.graph
+    renames = {}
+    for node in graph.node:
+        if node.name.startswith("/model/"):
+            node.name = node.name[len("/model") :]
+        if node.op_type == "MatMul" and node.name.endswith("_proj/MatMul"):
+            weight = node.input[1]
+            if weight.startswith("onnx::"):
+                module = node.name.strip("/").removesuffix("/MatMul").replace("/", ".")
+                renames[weight] = f"{module}.weight_t"
+        if node.name == "/lm_head/MatMul" and node.input[1].startswith("onnx::"):
+            renames[node.input[1]] = "lm_head.weight_t"
+    for init in graph.initializer:
+        init.name = renames.get(init.name, init.name)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renames.get(name, name)
+    onnx.save(proto, str(path))
+
+
+def export_llama(
+    checkpoint_dir,
+    out_dir,
+    *,
+    variant: str,
+    tokens: int,
+    dtype: str = "fp32",
+    chunks: int = 1,
+    batch: int = 1,
+    cache_len: int | None = None,
+    sha: bool = False,
+) -> dict:
+    """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
+
+    variant "decode" is AR-1 (tokens must be 1); "prefill" is AR-N with N = tokens.
+    cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
+    MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk.
+    """
+    import torch
+
+    if variant not in ("decode", "prefill"):
+        raise NpuforgeError(f"variant must be decode or prefill, got {variant!r}")
+    if variant == "decode" and tokens != 1:
+        raise NpuforgeError(f"the decode variant takes 1 token per call, got tokens={tokens}")
+    if tokens < 1 or batch < 1:
+        raise NpuforgeError(f"tokens and batch must be positive, got {tokens} and {batch}")
+    dtypes = {"fp32": (torch.float32, np.float32), "fp16": (torch.float16, np.float16)}
+    if dtype not in dtypes:
+        raise NpuforgeError(f"dtype must be fp32 or fp16 for llama exports, got {dtype!r}")
+    torch_dtype, np_dtype = dtypes[dtype]
+
+    cfg = load_config(checkpoint_dir)
+    cache_len = cache_len or min(cfg.max_position_embeddings, 2048)
+    if tokens > cache_len:
+        raise NpuforgeError(f"tokens per call ({tokens}) exceed cache_len ({cache_len})")
+    model = build_model(cfg, load_state_dict(checkpoint_dir), cache_len).to(torch_dtype)
+    ranges = split_layers(cfg.num_layers, chunks)
+
+    graphs = []
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        for index, (first, last) in enumerate(ranges):
+            inputs, outputs = _chunk_io(
+                cfg, first, last, batch=batch, tokens=tokens, cache_len=cache_len, np_dtype=np_dtype
+            )
+            path = tmp / f"chunk{index}.onnx"
+            with torch.no_grad():
+                _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype)
+            if sha:
+                from npuforge.passes import mha_to_sha
+
+                mha_to_sha.convert_file(path, path)
+            graphs.append(
+                {
+                    "file": path.name,
+                    "sha256": sha256_file(path),
+                    "layers": [first, last],
+                    "inputs": inputs,
+                    "outputs": outputs,
+                }
+            )
+        meta = {
+            "family": "llama",
+            "arch": cfg.model_type,
+            "variant": variant,
+            "dtype": dtype,
+            "batch": batch,
+            "tokens_per_call": tokens,
+            "cache_len": cache_len,
+            "chunks": len(ranges),
+            "vocab_size": cfg.vocab_size,
+            "embed_dim": cfg.hidden_size,
+            "n_layers": cfg.num_layers,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "config": asdict(cfg),
+            "options": {"sha": sha, "ext_embedding": False, "mask_value": MASK_VALUE},
+            "embedding": None,
+            "graphs": graphs,
+        }
+        write_json(tmp / "export.json", meta)
+    return meta

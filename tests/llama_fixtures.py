@@ -1,0 +1,109 @@
+"""Tiny random-weight Llama-family checkpoints made with transformers (config.json + safetensors).
+
+Each config exercises one variant of the family: GQA with untied embeddings
+(Llama), QKV bias (Qwen2), tied embeddings (SmolLM2), llama3 RoPE scaling
+(Llama 3.2). Weights are drawn from a seeded generator and scaled up from HF's
+0.02 init so attention is not uniform and the parity checks have teeth.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_CONFIGS = {
+    "llama": {
+        "model_type": "llama",
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "vocab_size": 80,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "smollm2": {
+        "model_type": "llama",
+        "vocab_size": 72,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama3": {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def make_checkpoint(kind: str, directory, seed: int = 0) -> Path:
+    """Save a tiny random ``kind`` model with transformers; returns the folder."""
+    import torch
+    import transformers
+
+    settings = dict(TINY_CONFIGS[kind])
+    model_type = settings.pop("model_type")
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[model_type]
+    config = config_cls(**settings)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def load_reference(directory):
+    """The transformers model for a saved checkpoint (float32, eager attention)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", dtype="float32"
+    ).eval()

@@ -1,0 +1,188 @@
+"""Llama family: parity of the exported static graphs with transformers."""
+
+import json
+
+import numpy as np
+import pytest
+from llama_fixtures import TINY_CONFIGS, load_reference, make_checkpoint
+
+from npuforge.errors import NpuforgeError
+from npuforge.models import llama
+
+PREFILL, DECODE_STEPS, CACHE_LEN = 16, 48, 64
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_ckpt")
+    return {kind: make_checkpoint(kind, root / kind, seed=i) for i, kind in enumerate(TINY_CONFIGS)}
+
+
+def reference_logits(checkpoint, ids):
+    import torch
+
+    with torch.no_grad():
+        return load_reference(checkpoint)(torch.from_numpy(ids)).logits.numpy()
+
+
+class OrtChain:
+    """Just enough of a runner: feeds tokens/hidden/position/mask/state roles by the export.json."""
+
+    def __init__(self, export_dir):
+        import onnxruntime as ort
+
+        self.meta = json.loads((export_dir / "export.json").read_text())
+        self.sessions = [
+            ort.InferenceSession(str(export_dir / g["file"]), providers=["CPUExecutionProvider"])
+            for g in self.meta["graphs"]
+        ]
+
+    def __call__(self, ids, position, state):
+        hidden = None
+        for graph, session in zip(self.meta["graphs"], self.sessions, strict=True):
+            feeds = {}
+            for spec in graph["inputs"]:
+                role = spec["role"]
+                if role == "tokens":
+                    feeds[spec["name"]] = ids
+                elif role == "hidden":
+                    feeds[spec["name"]] = hidden
+                elif role == "state":
+                    value = state.get(spec["name"])
+                    if value is None:
+                        value = np.zeros(spec["shape"], dtype=spec["dtype"])
+                    feeds[spec["name"]] = value
+                else:
+                    feeds[spec["name"]] = llama.extra_inputs(self.meta, spec, position)
+            names = [o["name"] for o in graph["outputs"]]
+            results = dict(zip(names, session.run(names, feeds), strict=True))
+            for spec in graph["inputs"]:
+                if spec["role"] == "state":
+                    state[spec["name"]] = results[spec["output"]]
+            hidden = results.get("hidden_out")
+        return results["logits"]
+
+
+def run_prefill_then_decode(prefill_dir, decode_dir, ids):
+    state = {}
+    logits = [OrtChain(prefill_dir)(ids[:, :PREFILL], 0, state)]
+    decode = OrtChain(decode_dir)
+    for position in range(PREFILL, ids.shape[1]):
+        logits.append(decode(ids[:, position : position + 1], position, state))
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize(
+    "kind, chunks, batch",
+    [("llama", 2, 1), ("qwen2", 1, 1), ("smollm2", 1, 2)],
+)
+def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, chunks, batch):
+    checkpoint = checkpoints[kind]
+    vocab = TINY_CONFIGS[kind]["vocab_size"]
+    ids = np.random.default_rng(7).integers(0, vocab, (batch, PREFILL + DECODE_STEPS))
+    common = dict(dtype="fp32", chunks=chunks, batch=batch, cache_len=CACHE_LEN)
+    prefill = llama.export_llama(
+        checkpoint, tmp_path / "prefill", variant="prefill", tokens=PREFILL, **common
+    )
+    llama.export_llama(checkpoint, tmp_path / "decode", variant="decode", tokens=1, **common)
+    assert prefill["chunks"] == chunks and len(prefill["graphs"]) == chunks
+
+    got = run_prefill_then_decode(tmp_path / "prefill", tmp_path / "decode", ids)
+    want = reference_logits(checkpoint, ids)
+    assert got.shape == want.shape == (batch, PREFILL + DECODE_STEPS, vocab)
+    error = np.abs(got - want).max()
+    assert error <= 1e-4 * np.abs(want).max(), f"max |diff| {error}"
+
+
+def test_llama3_rope_scaling_matches_transformers(checkpoints):
+    import torch
+
+    checkpoint = checkpoints["llama3"]
+    cfg = llama.load_config(checkpoint)
+    assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.tie_word_embeddings
+    # The scaled frequencies must differ from plain RoPE, or this test proves nothing.
+    plain = llama.rope_inv_freq(llama.LlamaConfig(**{**cfg.__dict__, "rope_scaling": None}))
+    assert not np.allclose(plain, llama.rope_inv_freq(cfg))
+
+    model = llama.build_model(cfg, llama.load_state_dict(checkpoint), cache_len=40)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 40))
+    caches = [torch.zeros(1, cfg.num_kv_heads, 40, cfg.head_dim) for _ in range(2)]
+    with torch.no_grad():
+        got, _ = model(
+            torch.from_numpy(ids),
+            torch.from_numpy(llama.position_ids(1, 40, 0)),
+            torch.from_numpy(llama.attention_mask(1, 40, 40, 0)),
+            caches,
+        )
+    want = reference_logits(checkpoint, ids)
+    assert np.abs(got.numpy() - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_export_json_describes_graph_io(checkpoints, tmp_path):
+    import onnx
+
+    meta = llama.export_llama(
+        checkpoints["qwen2"], tmp_path / "out", variant="decode", tokens=1, chunks=2, cache_len=32
+    )
+    assert json.loads((tmp_path / "out" / "export.json").read_text()) == meta
+    assert (meta["family"], meta["arch"], meta["tokens_per_call"]) == ("llama", "qwen2", 1)
+    assert [g["layers"] for g in meta["graphs"]] == [[0, 1], [1, 2]]
+    first, last = meta["graphs"]
+    roles = [spec["role"] for spec in first["inputs"]]
+    assert roles == ["tokens", "position", "mask", "state", "state"]
+    assert [spec["role"] for spec in last["outputs"]] == ["logits", "state", "state"]
+    assert first["outputs"][0]["name"] == "hidden_out" and last["inputs"][0]["name"] == "hidden_in"
+    cache = first["inputs"][3]
+    assert cache["shape"] == [1, 2, 32, 8] and cache["output"] == "cache_0_k_out"
+    for graph in meta["graphs"]:
+        proto = onnx.load(str(tmp_path / "out" / graph["file"]))
+        shapes = {
+            v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*proto.graph.input, *proto.graph.output]
+        }
+        for spec in graph["inputs"] + graph["outputs"]:
+            assert shapes[spec["name"]] == spec["shape"]
+        assert [v.name for v in proto.graph.input] == [s["name"] for s in graph["inputs"]]
+
+
+def test_extra_inputs_position_and_mask():
+    meta = {"batch": 2, "tokens_per_call": 3, "cache_len": 6}
+    spec = {"name": "attention_mask", "dtype": "float32", "role": "mask"}
+    mask = llama.extra_inputs(meta, spec, 2)
+    assert mask.shape == (2, 1, 3, 6) and mask.dtype == np.float32
+    # token at absolute position 2 sees slots 0..2; position 4 sees 0..4
+    assert (mask[0, 0] == 0).tolist() == [
+        [True, True, True, False, False, False],
+        [True, True, True, True, False, False],
+        [True, True, True, True, True, False],
+    ]
+    ids = llama.extra_inputs(meta, {"name": "position_ids", "role": "position"}, 2)
+    assert ids.tolist() == [[2, 3, 4], [2, 3, 4]] and ids.dtype == np.int64
+    with pytest.raises(NpuforgeError, match="exceeds the exported cache"):
+        llama.extra_inputs(meta, spec, 4)
+
+
+def test_inspect_llama(checkpoints):
+    info = llama.inspect_llama(checkpoints["smollm2"])
+    c = TINY_CONFIGS["smollm2"]
+    assert info["tied"] is True and info["kv_heads"] == 1 and info["head_dim"] == 8
+    e, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], 3
+    attention = e * e * 2 + 2 * e * 8  # q, o and one kv head of k, v
+    expected = v * e + n * (attention + 3 * e * f + 2 * e) + e
+    assert info["n_params"] == expected
+    assert llama.inspect_llama(checkpoints["llama"])["tied"] is False
+
+
+def test_rejects_unsupported_config(checkpoints, tmp_path):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    config = json.loads((checkpoints["llama"] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(NpuforgeError, match="model_type 'gpt2'"):
+        llama.load_config(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NpuforgeError, match="no \\*.safetensors"):
+        llama.export_llama(folder, tmp_path / "out", variant="decode", tokens=1, cache_len=8)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(NpuforgeError, match="decode variant takes 1 token"):
+        llama.export_llama(folder, tmp_path / "out", variant="decode", tokens=4)
