@@ -41,7 +41,7 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
                 )
             _place(local, tmp)
         else:
-            _make_synthetic(source["synthetic"], tmp)
+            _make_synthetic(source["synthetic"], tmp, fmt=out.suffix.lstrip("."))
         actual = sha256_file(tmp)
         if expected_sha256 and actual != expected_sha256.lower():
             raise NpuforgeError(
@@ -116,7 +116,7 @@ def _first_line(err) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _make_synthetic(spec: dict, out: Path) -> None:
-    from npuforge.models import synthetic
+def _make_synthetic(spec: dict, out: Path, fmt: str) -> None:
+    from npuforge.synthetic import write_synthetic_checkpoint
 
-    synthetic.write_synthetic_checkpoint(out, **spec)
+    write_synthetic_checkpoint(out, fmt=fmt, **spec)

@@ -205,3 +205,14 @@ def test_hf_offline_without_cache_says_what_to_do(tmp_path):
     assert result.returncode == 2
     assert "HF_HUB_OFFLINE" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert leftovers(out.parent) == []
+
+
+def test_synthetic_source_is_deterministic(tmp_path):
+    source = {"synthetic": {"version": 7, "layers": 1, "embed": 32, "vocab": 64, "seed": 3,
+                            "head_size": 16}}  # fmt: skip
+    first, out, record = fetch_cli(tmp_path / "a", source, "", script_env())
+    assert first.returncode == 0, first.stderr
+    digest = json.loads(record.read_text())["sha256"]
+    again, out2, _ = fetch_cli(tmp_path / "b", source, digest, script_env())
+    assert again.returncode == 0, again.stderr
+    assert out.read_bytes() == out2.read_bytes()
