@@ -1,0 +1,152 @@
+"""Build matrix: selection, capability checks, shared exports, chunk planning."""
+
+import copy
+
+import pytest
+import yaml
+from conftest import REPO
+
+from npuforge.errors import NpuforgeError
+from npuforge.matrix import (
+    Build,
+    check_toolchains,
+    export_key,
+    export_variants,
+    make_plan,
+    parse_selection,
+    plan_chunks,
+    select_builds,
+)
+from npuforge.registry import load_registries
+
+CONFIG = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+MODELS, TARGETS = load_registries(CONFIG, REPO)
+
+
+def selection(**kw):
+    return dict(CONFIG, **kw)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("SM8650", ["SM8650"]),
+        ("SM8650, RK3588,", ["SM8650", "RK3588"]),
+        (["a", "b"], ["a", "b"]),
+        ("", []),
+        (None, []),
+    ],
+)
+def test_parse_selection(value, expected):
+    assert parse_selection(value) == expected
+
+
+def test_default_selection_builds_the_demo_reference():
+    assert select_builds(CONFIG, MODELS, TARGETS) == [Build("rwkv7-demo", "onnx", "fp32")]
+
+
+def test_target_selection_uses_default_precisions():
+    builds = select_builds(selection(target="SM8650,RK3588"), MODELS, TARGETS)
+    assert [(b.target, b.precision) for b in builds] == [
+        ("SM8650", "fp16"),
+        ("SM8650", "a16w8"),
+        ("RK3588", "fp16"),
+        ("RK3588", "w8a8"),
+    ]
+
+
+def test_all_keyword():
+    builds = select_builds(
+        selection(model="all", target="RK3588", precision="all"), MODELS, TARGETS
+    )
+    assert len(builds) == len(MODELS) * 3
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"model": "rwkv9"}, "unknown model 'rwkv9'; valid models: rwkv7-demo, rwkv7-tiny"),
+        ({"target": "SM9999"}, "unknown target 'SM9999'; valid targets: onnx, SM8650"),
+        ({"target": "SM8650", "precision": "int3"}, "unknown precision 'int3'; valid precisions:"),
+        (
+            {"target": "SM8350", "precision": "fp16"},
+            "target SM8350 (Snapdragon 888 (HTP v68, no fp16)) does not support precision "
+            "'fp16'; it supports: a16w8",
+        ),
+        (
+            {"target": "RK3588,SM8650", "precision": "w8a8"},
+            "target SM8650 (Snapdragon 8 Gen 3 (HTP v75)) does not support precision 'w8a8'",
+        ),
+        ({"target": ""}, "no target selected"),
+    ],
+)
+def test_bad_selection_is_one_line_naming_choices(kw, message):
+    with pytest.raises(NpuforgeError) as err:
+        select_builds(selection(**kw), MODELS, TARGETS)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_targets_with_equal_needs_share_exports():
+    plan = make_plan(selection(target="SM8650,SM8550,RK3588,onnx,BM1684X"), MODELS, TARGETS)
+    demo = "rwkv7-demo"
+    assert plan.export_keys(demo, "SM8650") == plan.export_keys(demo, "SM8550")
+    assert plan.export_keys(demo, "SM8650") != plan.export_keys(demo, "onnx")
+    assert len(plan.export_keys(demo, "BM1684X")) == 2
+    prefill = plan.export_options(demo, plan.export_keys(demo, "BM1684X")[1])
+    assert (prefill["variant"], prefill["tokens"]) == ("prefill", 32)
+    # onnx, qnn (shared), rknn (ext embedding like qnn, same chunks here), tpumlir x2
+    assert len(plan.exports) == len({k for key in plan.target_exports.values() for k in key})
+
+
+def test_export_key_covers_every_option():
+    base = export_variants(MODELS["rwkv7-demo"], TARGETS["onnx"])[0]
+    keys = {export_key(base)}
+    for option, value in [("dtype", "fp16"), ("ext_embedding", True), ("batch", 2), ("chunks", 2)]:
+        keys.add(export_key(dict(base, **{option: value})))
+    keys.add(export_key(dict(base, variant="prefill", tokens=16)))
+    keys.add(export_key(dict(base, variant="prefill", tokens=32)))
+    assert len(keys) == 7
+    assert export_key(dict(base)) == export_key(base)
+
+
+def test_chunk_policy_follows_model_size():
+    policy = {"chunk_policy": {"max_chunk_bytes": 1.5e9, "bytes_per_param": 2}}
+    small = MODELS["rwkv7-demo"]
+    assert plan_chunks(small, policy) == 1
+    big = {"arch": {"layers": 24, "embed": 2048, "vocab": 65536, "n_params": 1_600_000_000}}
+    assert plan_chunks(big, policy) == 3
+    huge = {"arch": {"layers": 2, "embed": 2048, "vocab": 65536, "n_params": 14_000_000_000}}
+    assert plan_chunks(huge, policy) == 2  # never more chunks than layers
+    assert plan_chunks(big, {"chunks": 4}) == 4
+
+
+def test_calibration_only_for_quantized_precisions():
+    plan = make_plan(selection(target="SM8650", precision="fp16,a16w8"), MODELS, TARGETS)
+    assert not plan.needs_calibration("SM8650", "fp16")
+    assert plan.needs_calibration("SM8650", "a16w8")
+
+
+def test_toolchain_check_asks_for_vendor_targets_only():
+    asked = []
+
+    def reason(backend, runtime, options):
+        asked.append((backend, runtime, options["target_platform"]))
+        return None
+
+    plan = make_plan(selection(target="onnx,RK3588"), MODELS, TARGETS)
+    check_toolchains(plan, "podman", reason)
+    assert asked == [("rknn", "podman", "rk3588")]
+
+    def refuse(backend, runtime, options):
+        return "no TPU-MLIR here: build the sophgo image (README)"
+
+    plan = make_plan(selection(target="BM1684X"), MODELS, TARGETS)
+    with pytest.raises(NpuforgeError, match="^target BM1684X: no TPU-MLIR here"):
+        check_toolchains(plan, "native", refuse)
+
+
+def test_registries_are_not_mutated_by_planning():
+    before = copy.deepcopy(TARGETS)
+    make_plan(selection(target="all", precision=""), MODELS, TARGETS)
+    assert TARGETS == before

@@ -1,0 +1,155 @@
+"""Registries: the shipped YAML validates, overlays merge, bad entries are refused."""
+
+import copy
+
+import jsonschema
+import pytest
+import yaml
+from conftest import REPO
+
+from npuforge.errors import NpuforgeError
+from npuforge.registry import check_registries, load_registries, merge_registry
+
+SCHEMAS = REPO / "config" / "schemas"
+
+
+def schema(name):
+    return yaml.safe_load((SCHEMAS / f"{name}.schema.yaml").read_text())
+
+
+def shipped(overlay=None):
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config.update(overlay or {})
+    return load_registries(config, REPO)
+
+
+def valid(kind, data):
+    jsonschema.validate(data, schema(kind))
+
+
+def test_shipped_files_validate():
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    valid("config", config)
+    models, targets = shipped()
+    valid("models", models)
+    valid("targets", targets)
+    check_registries(models, targets)
+
+
+@pytest.mark.parametrize(
+    "target, htp_arch, soc_model",
+    [
+        ("SM8650", 75, 57),
+        ("SM8550", 73, 43),
+        ("SM8750", 79, 69),
+        ("SC8380", 73, 60),
+        ("SM8475", 69, 42),
+        ("SM8350", 68, 30),
+    ],
+)
+def test_qualcomm_socs(target, htp_arch, soc_model):
+    _, targets = shipped()
+    entry = targets[target]
+    assert entry["backend"] == "qnn"
+    assert (entry["options"]["htp_arch"], entry["options"]["soc_model"]) == (htp_arch, soc_model)
+    # fp16 needs HTP v69 or newer.
+    assert ("fp16" in entry["precisions"]) == (htp_arch >= 69)
+
+
+def test_other_socs_and_reference():
+    _, targets = shipped()
+    assert targets["RK3588"]["options"]["target_platform"] == "rk3588"
+    assert set(targets["RK3588"]["precisions"]) == {"fp16", "w8a8", "w16a16i_dfp"}
+    assert targets["RK3576"]["options"]["target_platform"] == "rk3576"
+    assert targets["BM1684X"]["options"]["processor"] == "bm1684x"
+    assert targets["BM1688"]["options"]["processor"] == "bm1688"
+    assert targets["BM1684X"]["export"]["variants"] == ["decode", "prefill"]
+    assert targets["onnx"]["backend"] == "onnx" and list(targets["onnx"]["precisions"]) == ["fp32"]
+
+
+def test_default_model_is_the_synthetic_demo():
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    models, _ = shipped()
+    demo = models[config["model"]]
+    assert demo["source"]["synthetic"] == {
+        "version": 7,
+        "layers": 4,
+        "embed": 256,
+        "vocab": 65536,
+        "head_size": 64,
+        "seed": 0,
+    }
+    assert config["target"] == "onnx"
+
+
+def test_overlay_adds_and_merges_without_leaking_through_anchors():
+    overlay = {
+        "models": {
+            "local": {
+                "family": "rwkv",
+                "version": 7,
+                "source": {"path": "/abs/ckpt.pth"},
+                "sha256": "a" * 64,
+                "format": "pth",
+                "context_length": 4096,
+                "tokenizer": "rwkv-world",
+                "arch": {"layers": 12, "embed": 768, "vocab": 65536},
+            }
+        },
+        "targets": {"SM8650": {"export": {"ext_embedding": False}}},
+    }
+    models, targets = shipped(overlay)
+    valid("models", models)
+    valid("targets", targets)
+    assert models["local"]["source"] == {"path": "/abs/ckpt.pth"}
+    assert targets["SM8650"]["export"]["ext_embedding"] is False
+    assert targets["SM8650"]["export"]["variants"] == ["decode"]  # merged, not replaced
+    # SM8550 shares the YAML anchor of SM8650's export block; it must not change.
+    assert targets["SM8550"]["export"]["ext_embedding"] is True
+
+
+def test_overlay_replaces_the_source_whole():
+    registry = {"m": {"source": {"synthetic": {"seed": 0}}, "format": "pth"}}
+    merged = merge_registry(registry, {"m": {"source": {"path": "/x.pth"}}})
+    assert merged["m"]["source"] == {"path": "/x.pth"}
+    assert registry["m"]["source"] == {"synthetic": {"seed": 0}}
+
+
+def test_schema_refuses_branch_revision_and_missing_sha256():
+    models, _ = shipped()
+    entry = copy.deepcopy(models["rwkv7-demo"])
+    entry["source"] = {
+        "hf": {"repo": "BlinkDL/rwkv-7-world", "filename": "x.pth", "revision": "main"}
+    }
+    entry["sha256"] = "b" * 64
+    with pytest.raises(jsonschema.ValidationError):
+        valid("models", {"x": entry})
+    entry["source"]["hf"]["revision"] = "c" * 40
+    valid("models", {"x": entry})
+    del entry["sha256"]
+    with pytest.raises(jsonschema.ValidationError):
+        valid("models", {"x": entry})
+
+
+def test_schema_refuses_chunks_and_policy_together():
+    _, targets = shipped()
+    entry = copy.deepcopy(targets["SM8650"])
+    entry["export"]["chunks"] = 2
+    with pytest.raises(jsonschema.ValidationError):
+        valid("targets", {"X": entry})
+
+
+def test_semantic_checks():
+    models, targets = shipped()
+    bad_targets = copy.deepcopy(targets)
+    bad_targets["SM8350"]["default_precisions"] = ["fp16"]
+    with pytest.raises(NpuforgeError, match="SM8350: default precision 'fp16'"):
+        check_registries(models, bad_targets)
+    bad_models = copy.deepcopy(models)
+    bad_models["rwkv7-demo"]["arch"]["layers"] = 5
+    with pytest.raises(NpuforgeError, match="layers=4 differs from arch.layers=5"):
+        check_registries(bad_models, targets)
+    bad_models = copy.deepcopy(models)
+    bad_models["rwkv7-demo"]["source"] = {"path": "relative/ckpt.pth"}
+    with pytest.raises(NpuforgeError, match="must be an absolute path"):
+        check_registries(bad_models, targets)
