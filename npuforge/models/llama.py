@@ -262,9 +262,10 @@ def _torch_modules():
             v_cache = v_cache * keep + torch.matmul(write, v)
             # GQA without repeating K/V: the G query heads sharing a kv head are
             # stacked along the token axis, [B, KV, G*T, D].
+            length = k_cache.shape[2]
             q = (q * d**-0.5).reshape(b, kv, (h // kv) * t, d)
-            scores = torch.matmul(q, k_cache.transpose(2, 3)).view(b, h, t, -1) + mask
-            probs = torch.softmax(scores, dim=-1).view(b, kv, (h // kv) * t, -1)
+            scores = torch.matmul(q, k_cache.transpose(2, 3)).view(b, h, t, length) + mask
+            probs = torch.softmax(scores, dim=-1).view(b, kv, (h // kv) * t, length)
             out = torch.matmul(probs, v_cache).view(b, h, t, d).transpose(1, 2)
             return self.o_proj(out.reshape(b, t, h * d)), k_cache, v_cache
 

@@ -1,0 +1,1 @@
+"""Graph passes over exported ONNX models (pure functions ModelProto -> ModelProto)."""
