@@ -147,6 +147,8 @@ def export_variants(model: dict, target: dict) -> list[dict]:
         "ext_embedding": bool(export.get("ext_embedding", False)),
         "batch": int(export.get("batch", 1)),
         "chunks": plan_chunks(model, export),
+        "fp16_fixes": bool(export.get("fp16_fixes", True)),
+        "last_token_logits": bool(export.get("last_token_logits", False)),
     }
     variants = []
     for variant in export["variants"]:

@@ -92,6 +92,10 @@ def export_cli_args(model, key):
     ]
     if options["ext_embedding"]:
         args.append("--ext-embedding")
+    if not options["fp16_fixes"]:
+        args.append("--no-fp16-fixes")
+    if options["last_token_logits"]:
+        args.append("--last-token-logits")
     return " ".join(args)
 
 
@@ -113,6 +117,15 @@ def verify_report(model, key):
 def calibration_dir(model, target):
     # Calibration follows the target's first (decode) export.
     return f"{RESULTS}/calibration/{model}/{PLAN.export_keys(model, target)[0]}"
+
+
+def toolchain_options(backend):
+    # One environment per backend: the first selected target of it supplies options
+    # such as a native interpreter path.
+    for target in PLAN.vendor_targets():
+        if TARGETS[target]["backend"] == backend:
+            return TARGETS[target]["options"]
+    return {}
 
 
 def toolchain_stamp(backend):

@@ -9,8 +9,10 @@ rule prepare_toolchain:
     threads: 1
     resources:
         mem_mb=4000,
+    params:
+        options=lambda w: as_json(toolchain_options(w.backend)),
     shell:
-        "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --out {output} > {log} 2>&1"
+        "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --target-options {params.options:q} --out {output} > {log} 2>&1"
 
 
 rule compile:

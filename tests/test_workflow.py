@@ -1,0 +1,168 @@
+"""The Snakemake workflow, run for real on temporary copies of the repository."""
+
+import hashlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from conftest import REPO, snakemake
+
+EXTRA_TARGETS = {
+    # Reference-backend targets with different needs: no vendor toolchain required.
+    "onnx-c2": {"export": {"chunks": 2}},
+    "onnx-emb": {"export": {"ext_embedding": True}},
+    # Same export needs as `onnx`, its own compile option.
+    "onnx-v16": {"options": {"verify_steps": 16}},
+}
+
+
+def reference_target(overrides: dict) -> dict:
+    base = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())["onnx"]
+    for key, value in overrides.items():
+        base[key] = dict(base[key], **value) if isinstance(value, dict) else value
+    return base
+
+
+def write_extra(workflow, data, name="extra.yaml"):
+    path = workflow / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def job_counts(output: str) -> dict:
+    """The 'Job stats' table of a snakemake run as {rule: count}."""
+    match = re.search(r"Job stats:\njob\s+count\n[-\s]+\n(.*?)\ntotal\s+(\d+)", output, re.S)
+    assert match, f"no job stats in output:\n{output[-3000:]}"
+    counts = {}
+    for line in match.group(1).splitlines():
+        rule, count = line.split()
+        counts[rule] = int(count)
+    counts["total"] = int(match.group(2))
+    return counts
+
+
+def dry_run(workflow, *args):
+    result = snakemake(workflow, "--dry-run", *args, check=True)
+    return job_counts(result.stdout + result.stderr)
+
+
+def test_default_dry_run(workflow):
+    counts = dry_run(workflow)
+    assert counts == {
+        "fetch": 1,
+        "inspect": 1,
+        "tokenizer": 1,
+        "export": 1,
+        "verify_onnx": 1,
+        "compile": 1,
+        "package": 1,
+        "all": 1,
+        "total": 8,
+    }
+
+
+def test_two_models_by_four_targets_share_fetch_and_exports(workflow):
+    extra = write_extra(
+        workflow, {"targets": {tid: reference_target(o) for tid, o in EXTRA_TARGETS.items()}}
+    )
+    counts = dry_run(
+        workflow,
+        "--configfile",
+        extra,
+        "--config",
+        "model=rwkv7-demo,rwkv7-tiny",
+        "target=onnx,onnx-c2,onnx-emb,onnx-v16",
+    )
+    # Per model: one fetch; three distinct export option sets (onnx and onnx-v16 share one).
+    assert counts["fetch"] == 2
+    assert counts["inspect"] == 2
+    assert counts["tokenizer"] == 1
+    assert counts["export"] == 2 * 3
+    assert counts["verify_onnx"] == 2 * 3
+    assert counts["compile"] == 2 * 4
+    assert counts["package"] == 2 * 4
+    assert "calibrate" not in counts and "prepare_toolchain" not in counts
+
+
+def test_vendor_targets_share_exports_and_calibration(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    options = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+    for target in ("SM8650", "SM8550"):
+        reason = unavailable_reason("qnn", "native", options[target]["options"])
+        if reason:
+            pytest.skip(f"qnn toolchain check refuses here: {reason}")
+    counts = dry_run(workflow, "--config", "target=SM8650,SM8550")
+    assert counts["export"] == 1  # equal export needs: one export for both SoCs
+    assert counts["calibrate"] == 1
+    assert counts["prepare_toolchain"] == 1
+    assert counts["compile"] == 4 and counts["package"] == 4
+
+
+BAD_SELECTIONS = [
+    (["model=rwkv9"], "unknown model 'rwkv9'; valid models: rwkv7-demo, rwkv7-tiny"),
+    (["target=SM9999"], "unknown target 'SM9999'; valid targets: onnx, SM8650, SM8550"),
+    (["target=SM8650", "precision=fp99"], "unknown precision 'fp99'; valid precisions:"),
+    (
+        ["target=SM8350", "precision=fp16"],
+        "does not support precision 'fp16'; it supports: a16w8",
+    ),
+    (["target=RK3588,onnx", "precision=fp32"], "target RK3588 (Rockchip RK3588 NPU (6 TOPS))"),
+    (["toolchain_runtime=lxc"], "lxc"),
+]
+
+
+@pytest.mark.parametrize("config, message", BAD_SELECTIONS)
+def test_bad_selection_stops_before_any_job(workflow, config, message):
+    result = snakemake(workflow, "--config", *config)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert message in output
+    assert "Job stats" not in output and "rule " not in output
+    assert not (workflow / "results").exists()
+
+
+def test_bad_registry_entry_from_configfile_stops_before_any_job(workflow):
+    model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
+    model["source"] = {"hf": {"repo": "org/name", "filename": "m.pth", "revision": "main"}}
+    extra = write_extra(workflow, {"models": {"bad": model}, "model": "bad"})
+    result = snakemake(workflow, "--configfile", extra)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "does not match" in output and "main" in output
+    assert not (workflow / "results").exists()
+
+
+def test_configfile_adds_a_local_checkpoint(workflow, tmp_path):
+    model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
+    model["source"] = {"path": str(tmp_path / "mine.pth")}
+    model["sha256"] = "0" * 64
+    extra = write_extra(workflow, {"models": {"mine": model}})
+    result = snakemake(workflow, "--dry-run", "--configfile", extra, "--config", "model=mine")
+    assert result.returncode == 0, result.stderr
+    assert "results/models/mine/checkpoint.pth" in result.stdout
+    assert job_counts(result.stdout)["fetch"] == 1
+
+
+def test_lint_and_format_are_clean():
+    lint = subprocess.run(
+        ["snakemake", "--lint"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr
+    if shutil.which("snakefmt") is None:
+        pytest.skip("snakefmt is not installed")
+    fmt = subprocess.run(
+        ["snakefmt", "--check", "Snakefile", "rules"], cwd=REPO, capture_output=True, text=True
+    )
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def sha256_tree(root):
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
