@@ -8,7 +8,15 @@ Each config exercises one variant of the family: GQA with untied embeddings
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import numpy as np
+
+from npuforge.models.llama import extra_inputs
+
+# The parity protocol of the issue: an AR-N prefill, then AR-1 decode steps.
+PREFILL, DECODE_STEPS = 16, 48
 
 TINY_CONFIGS = {
     "llama": {
@@ -107,3 +115,57 @@ def load_reference(directory):
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, attn_implementation="eager", dtype="float32"
     ).eval()
+
+
+def reference_logits(checkpoint, ids):
+    import torch
+
+    with torch.no_grad():
+        return load_reference(checkpoint)(torch.from_numpy(ids)).logits.numpy()
+
+
+class OrtChain:
+    """Just enough of a runner: feeds tokens/hidden/position/mask/state roles by the export.json."""
+
+    def __init__(self, export_dir):
+        import onnxruntime as ort
+
+        self.meta = json.loads((export_dir / "export.json").read_text())
+        self.sessions = [
+            ort.InferenceSession(str(export_dir / g["file"]), providers=["CPUExecutionProvider"])
+            for g in self.meta["graphs"]
+        ]
+
+    def __call__(self, ids, position, state):
+        hidden = None
+        for graph, session in zip(self.meta["graphs"], self.sessions, strict=True):
+            feeds = {}
+            for spec in graph["inputs"]:
+                role = spec["role"]
+                if role == "tokens":
+                    feeds[spec["name"]] = ids
+                elif role == "hidden":
+                    feeds[spec["name"]] = hidden
+                elif role == "state":
+                    value = state.get(spec["name"])
+                    if value is None:
+                        value = np.zeros(spec["shape"], dtype=spec["dtype"])
+                    feeds[spec["name"]] = value
+                else:
+                    feeds[spec["name"]] = extra_inputs(self.meta, spec, position)
+            names = [o["name"] for o in graph["outputs"]]
+            results = dict(zip(names, session.run(names, feeds), strict=True))
+            for spec in graph["inputs"]:
+                if spec["role"] == "state":
+                    state[spec["name"]] = results[spec["output"]]
+            hidden = results.get("hidden_out")
+        return results["logits"]
+
+
+def run_prefill_then_decode(prefill_dir, decode_dir, ids):
+    state = {}
+    logits = [OrtChain(prefill_dir)(ids[:, :PREFILL], 0, state)]
+    decode = OrtChain(decode_dir)
+    for position in range(PREFILL, ids.shape[1]):
+        logits.append(decode(ids[:, position : position + 1], position, state))
+    return np.concatenate(logits, axis=1)

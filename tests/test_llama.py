@@ -4,72 +4,25 @@ import json
 
 import numpy as np
 import pytest
-from llama_fixtures import TINY_CONFIGS, load_reference, make_checkpoint
+from llama_fixtures import (
+    DECODE_STEPS,
+    PREFILL,
+    TINY_CONFIGS,
+    make_checkpoint,
+    reference_logits,
+    run_prefill_then_decode,
+)
 
 from npuforge.errors import NpuforgeError
 from npuforge.models import llama
 
-PREFILL, DECODE_STEPS, CACHE_LEN = 16, 48, 64
+CACHE_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_ckpt")
     return {kind: make_checkpoint(kind, root / kind, seed=i) for i, kind in enumerate(TINY_CONFIGS)}
-
-
-def reference_logits(checkpoint, ids):
-    import torch
-
-    with torch.no_grad():
-        return load_reference(checkpoint)(torch.from_numpy(ids)).logits.numpy()
-
-
-class OrtChain:
-    """Just enough of a runner: feeds tokens/hidden/position/mask/state roles by the export.json."""
-
-    def __init__(self, export_dir):
-        import onnxruntime as ort
-
-        self.meta = json.loads((export_dir / "export.json").read_text())
-        self.sessions = [
-            ort.InferenceSession(str(export_dir / g["file"]), providers=["CPUExecutionProvider"])
-            for g in self.meta["graphs"]
-        ]
-
-    def __call__(self, ids, position, state):
-        hidden = None
-        for graph, session in zip(self.meta["graphs"], self.sessions, strict=True):
-            feeds = {}
-            for spec in graph["inputs"]:
-                role = spec["role"]
-                if role == "tokens":
-                    feeds[spec["name"]] = ids
-                elif role == "hidden":
-                    feeds[spec["name"]] = hidden
-                elif role == "state":
-                    value = state.get(spec["name"])
-                    if value is None:
-                        value = np.zeros(spec["shape"], dtype=spec["dtype"])
-                    feeds[spec["name"]] = value
-                else:
-                    feeds[spec["name"]] = llama.extra_inputs(self.meta, spec, position)
-            names = [o["name"] for o in graph["outputs"]]
-            results = dict(zip(names, session.run(names, feeds), strict=True))
-            for spec in graph["inputs"]:
-                if spec["role"] == "state":
-                    state[spec["name"]] = results[spec["output"]]
-            hidden = results.get("hidden_out")
-        return results["logits"]
-
-
-def run_prefill_then_decode(prefill_dir, decode_dir, ids):
-    state = {}
-    logits = [OrtChain(prefill_dir)(ids[:, :PREFILL], 0, state)]
-    decode = OrtChain(decode_dir)
-    for position in range(PREFILL, ids.shape[1]):
-        logits.append(decode(ids[:, position : position + 1], position, state))
-    return np.concatenate(logits, axis=1)
 
 
 @pytest.mark.parametrize(
