@@ -1,0 +1,137 @@
+"""Run an export directory's chunk graphs over a token sequence.
+
+``GraphChain`` reads ``export.json`` and feeds each graph by the role of each
+input (docs/interfaces.md):
+
+* ``tokens``: the int64 token ids of this call, ``[B, T]``;
+* ``embedding``: rows of ``embedding.bin`` looked up here (``--ext-embedding``);
+* ``hidden``: an input ``<base>_in`` takes the previous chunk's output ``<base>_out``
+  (``hidden_in``/``hidden_out``; RWKV-7 also passes ``v_first``);
+* ``state``: zeros after ``reset``; afterwards the output the input names;
+* any other role: ``npuforge.models.<family>.extra_inputs(meta, input_spec, position)``.
+
+Sessions come from ``session_factory(onnx_path)`` (default: onnxruntime on the
+CPU), so a backend can substitute its own (QNN EP, a simulator). The ``capture``
+callback receives ``(chunk_index, feeds)`` before each graph runs; calibration
+uses it to record real inputs.
+"""
+
+import importlib
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import read_json
+
+
+def onnxruntime_session(onnx_path, threads: int = 1):
+    """A CPU onnxruntime session (one thread: deterministic and polite on shared machines)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+class GraphChain:
+    def __init__(self, export_dir, session_factory=None, capture=None):
+        import numpy as np
+
+        self.dir = Path(export_dir)
+        meta_path = self.dir / "export.json"
+        if not meta_path.is_file():
+            raise NpuforgeError(f"{self.dir}: no export.json; run export_onnx.py first")
+        self.meta = read_json(meta_path)
+        self.graphs = self.meta["graphs"]
+        factory = session_factory or onnxruntime_session
+        self.sessions = [factory(self.dir / g["file"]) for g in self.graphs]
+        self.capture = capture
+        self.embedding = None
+        if self.meta.get("embedding"):
+            from npuforge.export import read_embedding_bin
+
+            self.embedding = read_embedding_bin(self.dir / self.meta["embedding"]["file"])
+        self._family = None
+        self._np = np
+        self.reset()
+
+    @property
+    def tokens_per_call(self) -> int:
+        return int(self.meta["tokens_per_call"])
+
+    @property
+    def batch(self) -> int:
+        return int(self.meta["batch"])
+
+    def family_module(self):
+        if self._family is None:
+            self._family = importlib.import_module(f"npuforge.models.{self.meta['family']}")
+        return self._family
+
+    def reset(self, batch=None):
+        """Zero every recurrent state and the position counter."""
+        np = self._np
+        if batch is not None and int(batch) != self.batch:
+            raise NpuforgeError(
+                f"graphs were exported for batch {self.batch}, not {batch}; re-export with "
+                f"--batch {batch}"
+            )
+        self.position = 0
+        self.state = {}
+        for graph in self.graphs:
+            for spec in graph["inputs"]:
+                if spec["role"] == "state":
+                    self.state[spec["name"]] = np.zeros(spec["shape"], dtype=spec["dtype"])
+
+    def step(self, tokens):
+        """Run one call of ``T`` tokens (``tokens``: int ``[B, T]``); return the logits."""
+        np = self._np
+        tokens = np.asarray(tokens, dtype=np.int64)
+        expected = (self.batch, self.tokens_per_call)
+        if tokens.shape != expected:
+            raise NpuforgeError(
+                f"step() got tokens of shape {list(tokens.shape)}, the graphs take {list(expected)}"
+            )
+        carried = {}
+        logits = None
+        for index, (graph, session) in enumerate(zip(self.graphs, self.sessions, strict=True)):
+            feeds = {}
+            for spec in graph["inputs"]:
+                role, name = spec["role"], spec["name"]
+                if role == "tokens":
+                    feeds[name] = tokens
+                elif role == "embedding":
+                    feeds[name] = np.asarray(self.embedding[tokens], dtype=spec["dtype"])
+                elif role == "hidden":
+                    feeds[name] = carried[name[: -len("_in")] + "_out"]
+                elif role == "state":
+                    feeds[name] = self.state[name]
+                else:
+                    value = self.family_module().extra_inputs(self.meta, spec, self.position)
+                    feeds[name] = np.asarray(value, dtype=spec["dtype"])
+            if self.capture is not None:
+                self.capture(index, feeds)
+            names = [o["name"] for o in graph["outputs"]]
+            results = dict(zip(names, session.run(names, feeds), strict=True))
+            for spec in graph["inputs"]:
+                if spec["role"] == "state":
+                    self.state[spec["name"]] = results[spec["output"]]
+            for spec in graph["outputs"]:
+                if spec["role"] == "hidden":
+                    carried[spec["name"]] = results[spec["name"]]
+                elif spec["role"] == "logits":
+                    logits = results[spec["name"]]
+        self.position += self.tokens_per_call
+        return np.asarray(logits, dtype=np.float32)
+
+    def run(self, tokens):
+        """Feed a ``[B, S]`` sequence (S a multiple of T) call by call; concatenated logits."""
+        np = self._np
+        tokens = np.asarray(tokens, dtype=np.int64)
+        t = self.tokens_per_call
+        if tokens.ndim != 2 or tokens.shape[1] % t:
+            raise NpuforgeError(f"sequence length {tokens.shape[-1]} is not a multiple of {t}")
+        return np.concatenate(
+            [self.step(tokens[:, i : i + t]) for i in range(0, tokens.shape[1], t)], axis=1
+        )
