@@ -135,6 +135,11 @@ class OrtChain:
             ort.InferenceSession(str(export_dir / g["file"]), providers=["CPUExecutionProvider"])
             for g in self.meta["graphs"]
         ]
+        self.embedding = None
+        if self.meta["embedding"]:
+            from npuforge.export import read_embedding_bin
+
+            self.embedding = read_embedding_bin(export_dir / self.meta["embedding"]["file"])
 
     def __call__(self, ids, position, state):
         hidden = None
@@ -144,6 +149,8 @@ class OrtChain:
                 role = spec["role"]
                 if role == "tokens":
                     feeds[spec["name"]] = ids
+                elif role == "embedding":
+                    feeds[spec["name"]] = np.asarray(self.embedding[ids])
                 elif role == "hidden":
                     feeds[spec["name"]] = hidden
                 elif role == "state":

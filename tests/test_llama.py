@@ -8,6 +8,7 @@ from llama_fixtures import (
     DECODE_STEPS,
     PREFILL,
     TINY_CONFIGS,
+    OrtChain,
     make_checkpoint,
     reference_logits,
     run_prefill_then_decode,
@@ -45,6 +46,31 @@ def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, c
     assert got.shape == want.shape == (batch, PREFILL + DECODE_STEPS, vocab)
     error = np.abs(got - want).max()
     assert error <= 1e-4 * np.abs(want).max(), f"max |diff| {error}"
+
+
+def test_ext_embedding_and_fp16_exports(checkpoints, tmp_path):
+    checkpoint = checkpoints["llama"]
+    ids = np.random.default_rng(11).integers(0, TINY_CONFIGS["llama"]["vocab_size"], (1, 24))
+    common = {"variant": "decode", "cache_len": 24, "chunks": 2}
+    plain = llama.export_llama(checkpoint, tmp_path / "plain", dtype="fp32", **common)
+    ext = llama.export_llama(
+        checkpoint, tmp_path / "ext", dtype="fp32", ext_embedding=True, **common
+    )
+    half = llama.export_llama(checkpoint, tmp_path / "half", dtype="fp16", **common)
+    assert plain["tokens_per_call"] == 1 and plain["embedding"] is None
+    assert ext["embedding"]["rows"] == TINY_CONFIGS["llama"]["vocab_size"]
+    assert ext["graphs"][0]["inputs"][0]["role"] == "embedding"
+    assert half["graphs"][0]["inputs"][3]["dtype"] == "float16"
+
+    def decode(export_dir):
+        state, chain = {}, OrtChain(export_dir)
+        return np.concatenate([chain(ids[:, p : p + 1], p, state) for p in range(24)], axis=1)
+
+    want = decode(tmp_path / "plain")
+    np.testing.assert_allclose(decode(tmp_path / "ext"), want, rtol=0, atol=1e-5)
+    got = decode(tmp_path / "half").astype(np.float32)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 
 def test_llama3_rope_scaling_matches_transformers(checkpoints):

@@ -52,6 +52,7 @@ from npuforge.fileio import atomic_path, sha256_file, write_json
 MASK_VALUE = -1.0e4
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+DEFAULT_PREFILL_TOKENS = 16
 ONNX_OPSET = 17
 
 
@@ -312,14 +313,14 @@ def _torch_modules():
             self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
             self.register_buffer("slots", torch.arange(cache_len), persistent=False)
 
-        def forward(self, x, position_ids, attention_mask, caches, first=0, last=None):
-            """x: token ids [B, T] when first == 0, else hidden [B, T, E].
+        def forward(self, x, position_ids, attention_mask, caches, first=0, last=None, embed=None):
+            """x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
 
             caches: [k_0, v_0, k_1, v_1, ...] for layers first..last-1.
             Returns (hidden or logits, updated caches in the same order).
             """
             last = self.cfg.num_layers if last is None else last
-            if first == 0:
+            if first == 0 if embed is None else embed:
                 x = self.embed_tokens(x)
             cos = self.rope_cos[position_ids].unsqueeze(1)  # [B, 1, T, D]
             sin = self.rope_sin[position_ids].unsqueeze(1)
@@ -413,11 +414,14 @@ def split_layers(n_layers: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype):
+def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embedding):
     """(inputs, outputs) specs of one chunk, in graph order, in export.json shape."""
     fdt = str(np.dtype(np_dtype))
     cache_shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
-    if first == 0:
+    if first == 0 and ext_embedding:
+        shape = [batch, tokens, cfg.hidden_size]
+        inputs = [{"name": "embedding", "shape": shape, "dtype": fdt, "role": "embedding"}]
+    elif first == 0:
         inputs = [{"name": "tokens", "shape": [batch, tokens], "dtype": "int64", "role": "tokens"}]
     else:
         shape = [batch, tokens, cfg.hidden_size]
@@ -460,7 +464,8 @@ def _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype):
             self.model = model
 
         def forward(self, x, position, mask, *caches):
-            y, new_caches = self.model(x, position, mask, list(caches), first, last)
+            embed = inputs[0]["role"] == "tokens"
+            y, new_caches = self.model(x, position, mask, list(caches), first, last, embed)
             return (y, *new_caches)
 
     examples = []
@@ -521,16 +526,19 @@ def export_llama(
     out_dir,
     *,
     variant: str,
-    tokens: int,
+    tokens: int | None = None,
     dtype: str = "fp32",
     chunks: int = 1,
     batch: int = 1,
     cache_len: int | None = None,
     sha: bool = False,
+    ext_embedding: bool = False,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
-    variant "decode" is AR-1 (tokens must be 1); "prefill" is AR-N with N = tokens.
+    variant "decode" is AR-1 (tokens must be 1); "prefill" is AR-N with N = tokens
+    (default DEFAULT_PREFILL_TOKENS). ext_embedding=True writes embedding.bin
+    (npuforge.export layout) and the first chunk takes rows of it (role "embedding").
     cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
     MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk.
     """
@@ -538,6 +546,8 @@ def export_llama(
 
     if variant not in ("decode", "prefill"):
         raise NpuforgeError(f"variant must be decode or prefill, got {variant!r}")
+    if tokens is None:
+        tokens = 1 if variant == "decode" else DEFAULT_PREFILL_TOKENS
     if variant == "decode" and tokens != 1:
         raise NpuforgeError(f"the decode variant takes 1 token per call, got tokens={tokens}")
     if tokens < 1 or batch < 1:
@@ -554,12 +564,31 @@ def export_llama(
     model = build_model(cfg, load_state_dict(checkpoint_dir), cache_len).to(torch_dtype)
     ranges = split_layers(cfg.num_layers, chunks)
 
-    graphs = []
+    graphs, embedding = [], None
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
+        if ext_embedding:
+            from npuforge.export import write_embedding_bin
+
+            table = model.embed_tokens.weight.detach().numpy().astype(np_dtype)
+            write_embedding_bin(tmp / "embedding.bin", table)
+            embedding = {
+                "file": "embedding.bin",
+                "sha256": sha256_file(tmp / "embedding.bin"),
+                "dtype": np.dtype(np_dtype).name,
+                "rows": cfg.vocab_size,
+                "cols": cfg.hidden_size,
+            }
         for index, (first, last) in enumerate(ranges):
             inputs, outputs = _chunk_io(
-                cfg, first, last, batch=batch, tokens=tokens, cache_len=cache_len, np_dtype=np_dtype
+                cfg,
+                first,
+                last,
+                batch=batch,
+                tokens=tokens,
+                cache_len=cache_len,
+                np_dtype=np_dtype,
+                ext_embedding=ext_embedding,
             )
             path = tmp / f"chunk{index}.onnx"
             with torch.no_grad():
@@ -593,8 +622,8 @@ def export_llama(
             "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "config": asdict(cfg),
-            "options": {"sha": sha, "ext_embedding": False, "mask_value": MASK_VALUE},
-            "embedding": None,
+            "options": {"sha": sha, "ext_embedding": ext_embedding, "mask_value": MASK_VALUE},
+            "embedding": embedding,
             "graphs": graphs,
         }
         write_json(tmp / "export.json", meta)
