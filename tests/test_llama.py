@@ -165,3 +165,22 @@ def test_rejects_unsupported_config(checkpoints, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(NpuforgeError, match="decode variant takes 1 token"):
         llama.export_llama(folder, tmp_path / "out", variant="decode", tokens=4)
+
+
+def test_synthetic_checkpoint_runs_through_graph_chain(tmp_path):
+    from npuforge.fileio import sha256_file
+    from npuforge.runtime import GraphChain
+
+    dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=50, intermediate=48, arch="qwen2")
+    info = llama.write_synthetic_checkpoint(tmp_path / "a", seed=3, **dims)
+    llama.write_synthetic_checkpoint(tmp_path / "b", seed=3, **dims)
+    for name in ("config.json", "model.safetensors"):
+        assert sha256_file(tmp_path / "a" / name) == sha256_file(tmp_path / "b" / name)
+    assert (info["arch"], info["kv_heads"], info["tied"]) == ("qwen2", 2, False)
+
+    # Four consecutive AR-8 prefill calls: positions and cache writes advance per call.
+    llama.export_llama(tmp_path / "a", tmp_path / "x", variant="prefill", tokens=8, cache_len=32)
+    ids = np.random.default_rng(0).integers(0, 50, (1, 32))
+    got = GraphChain(tmp_path / "x").run(ids)
+    want = llama.reference_logits(tmp_path / "a", ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -218,6 +218,120 @@ def inspect_llama(checkpoint_dir) -> dict:
     }
 
 
+# Files of a Hugging Face snapshot the llama family needs (huggingface_hub
+# snapshot_download(allow_patterns=...)); everything else in such repos (original/
+# consolidated .pth, pytorch_model*.bin, onnx/, gguf) is skipped.
+HF_SNAPSHOT_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+
+
+def write_synthetic_checkpoint(
+    out_dir,
+    *,
+    layers: int,
+    embed: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    intermediate: int,
+    seed: int = 0,
+    arch: str = "llama",
+    tied: bool = False,
+    head_dim: int | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 2048,
+) -> dict:
+    """Write a deterministic random-weight HF folder (config.json + model.safetensors).
+
+    Same arguments -> byte-identical files; transformers loads the folder. arch is
+    "llama" or "qwen2" (QKV bias). Returns inspect_llama() of the result.
+    """
+    from safetensors.numpy import save_file
+
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise NpuforgeError(f"synthetic arch must be one of {SUPPORTED_MODEL_TYPES}, got {arch!r}")
+    head_dim = head_dim or embed // heads
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": embed,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, embed), "model.norm.weight": (embed,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, embed)
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        shapes |= {
+            pre + "input_layernorm.weight": (embed,),
+            pre + "post_attention_layernorm.weight": (embed,),
+            pre + "self_attn.q_proj.weight": (heads * head_dim, embed),
+            pre + "self_attn.k_proj.weight": (kv_heads * head_dim, embed),
+            pre + "self_attn.v_proj.weight": (kv_heads * head_dim, embed),
+            pre + "self_attn.o_proj.weight": (embed, heads * head_dim),
+            pre + "mlp.gate_proj.weight": (intermediate, embed),
+            pre + "mlp.up_proj.weight": (intermediate, embed),
+            pre + "mlp.down_proj.weight": (embed, intermediate),
+        }
+        if arch == "qwen2":
+            for kind, width in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                shapes[pre + f"self_attn.{kind}_proj.bias"] = (width * head_dim,)
+    tensors = {}
+    for index, (name, shape) in enumerate(sorted(shapes.items())):
+        rng = np.random.default_rng([seed, index])
+        if name.endswith("norm.weight"):
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            # fan-in scaling keeps activations O(1) at any width
+            scale = 0.5 if len(shape) == 1 else 1.0 / math.sqrt(shape[1])
+            tensors[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(
+            json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return inspect_llama(out_dir)
+
+
+def reference_logits(checkpoint_dir, tokens) -> np.ndarray:
+    """Logits [B, S, vocab] of the transformers implementation (the parity oracle)."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise NpuforgeError(
+            "verifying llama exports needs the transformers package; pip install transformers"
+        ) from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(checkpoint_dir), attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        return model(ids).logits.numpy()
+
+
 # --------------------------------------------------------------------------- torch model
 
 
