@@ -1,0 +1,276 @@
+"""Calibration samples from real multi-step runs, written in every vendor's format.
+
+Quantizers pick activation ranges from the samples they are given. A recurrent
+model's state inputs (shift vectors, the wkv matrix) are only realistic after
+the model has actually read some text; zero or random states give the wrong
+ranges and saturate the quantized model. So the samples here are the inputs of
+every graph chunk captured at sampled steps of real runs of the fp32 export
+(``npuforge.runtime.GraphChain``) over the project's calibration text.
+
+Sample ``j``: a start offset drawn (seeded) from the tokenized text, a run of
+``1 + capture_step_j`` decode calls from zero state, and the feeds of every
+chunk at the last call. ``capture_step_j`` is drawn in ``[steps // 4, steps)``,
+so the states have seen at least a quarter of the run. ``zero_state=True``
+captures at the first call instead (all states zero): the weak calibration
+that shows why real runs matter.
+
+Layout (docs/interfaces.md, "Calibration directory"); every path in a list
+file is relative to that list file's directory, so the directory can move::
+
+    calibration.json
+    rknn/chunk{i}/dataset.txt         one line per sample: space-separated .npy files
+    rknn/chunk{i}/sample{j}_{k}.npy   input k of chunk i (graph input order)
+    qnn/chunk{i}/input_list.txt       one line per sample: name:=file.raw ...
+    qnn/chunk{i}/sample{j}_{k}.raw    raw little-endian tensor data
+    tpumlir/chunk{i}/sample{j}.npz    keys = input names
+
+Everything is byte-identical for the same export, text, and options.
+"""
+
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import atomic_path, read_json, write_json
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
+DEFAULT_TEXT = DATA_DIR / "text"
+HELDOUT_TEXT = DATA_DIR / "heldout.txt"
+# A zip entry's timestamp; fixed so .npz files are byte-deterministic.
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+def _text_files(path: Path) -> list:
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise NpuforgeError(f"calibration text directory {path} has no .txt files")
+        return files
+    if path.is_file():
+        return [path]
+    raise NpuforgeError(f"calibration text {path} does not exist: pass a .txt file or directory")
+
+
+def read_documents(path=None) -> list:
+    """``[(relative name, text)]`` of a calibration text file or directory, sorted by name."""
+    path = Path(path or DEFAULT_TEXT)
+    base = path if path.is_dir() else path.parent
+    docs = []
+    for file in _text_files(path):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise NpuforgeError(f"{file} is not UTF-8 text; convert it or leave it out") from None
+        docs.append((file.relative_to(base).as_posix(), text))
+    return docs
+
+
+def text_digest(documents) -> str:
+    digest = hashlib.sha256()
+    for name, text in documents:
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def world_tokenizer():
+    """The RWKV World tokenizer: ``encode(str) -> list[int]``.
+
+    Prefers the project's ``npuforge.tokenizer`` when it offers ``encode``;
+    otherwise the vocabulary shipped in BlinkDL's ``rwkv`` package (the same one).
+    """
+    try:
+        from npuforge import tokenizer as project_tokenizer
+
+        loader = getattr(project_tokenizer, "world_tokenizer", None)
+        if loader is not None:
+            return loader()
+    except ImportError:
+        pass
+    import os
+
+    try:
+        import rwkv
+        from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+    except ImportError:
+        raise NpuforgeError(
+            "no World tokenizer: install the 'rwkv' package (pip install rwkv) in the main env"
+        ) from None
+    return TRIE_TOKENIZER(os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt"))
+
+
+def tokenize_documents(documents, vocab_size: int, tokenizer=None) -> list:
+    """One int64 token array per document; ids folded into ``vocab_size`` for toy vocabularies."""
+    import numpy as np
+
+    tokenizer = tokenizer or world_tokenizer()
+    arrays = []
+    for _, text in documents:
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        arrays.append(ids % int(vocab_size))
+    return arrays
+
+
+def heldout_tokens(count: int, vocab_size: int, text=None):
+    """``count`` tokens of the held-out text (repeated if short): the verification input."""
+    import numpy as np
+
+    docs = read_documents(text or HELDOUT_TEXT)
+    ids = np.concatenate(tokenize_documents(docs, vocab_size))
+    if ids.size == 0:
+        raise NpuforgeError("held-out verification text is empty")
+    return np.resize(ids, int(count)).astype(np.int64)
+
+
+def plan_samples(doc_tokens, samples: int, steps: int, seed: int, zero_state: bool) -> list:
+    """Seeded ``[(document, start, capture_step)]`` for each sample."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    usable = [i for i, t in enumerate(doc_tokens) if len(t) >= 1]
+    if not usable:
+        raise NpuforgeError("calibration text tokenized to nothing")
+    plan = []
+    for _ in range(samples):
+        doc = int(usable[rng.integers(len(usable))])
+        capture = 0 if zero_state else int(rng.integers(steps // 4, steps))
+        length = len(doc_tokens[doc])
+        start = int(rng.integers(max(1, length - capture)))
+        plan.append((doc, start, capture))
+    return plan
+
+
+def _feeds_of_run(chain, tokens, capture_step):
+    """Run ``tokens[:capture_step + 1]`` from zero state; the chunk feeds at the last call."""
+    import numpy as np
+
+    captured = {}
+
+    def capture(index, feeds):
+        if chain.position == capture_step:
+            captured[index] = {k: np.array(v, copy=True) for k, v in feeds.items()}
+
+    chain.capture = capture
+    chain.reset()
+    for step in range(capture_step + 1):
+        chain.step(np.asarray([[tokens[step % len(tokens)]]], dtype=np.int64))
+    chain.capture = None
+    return captured
+
+
+def _npy_bytes(array) -> bytes:
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _write_npz(path: Path, arrays: dict) -> None:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name in sorted(arrays):
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=ZIP_EPOCH)
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, _npy_bytes(arrays[name]))
+
+
+def make_calibration_samples(
+    export_dir, out_dir, *, samples: int, steps: int, seed: int, text=None, zero_state=False
+) -> dict:
+    """Capture ``samples`` input sets of every chunk and write them in each vendor format."""
+    import numpy as np
+
+    from npuforge.runtime import GraphChain
+
+    if samples < 1 or steps < 1:
+        raise NpuforgeError("--samples and --steps must be at least 1")
+    chain = GraphChain(export_dir)
+    meta = chain.meta
+    if chain.batch != 1 or chain.tokens_per_call != 1:
+        raise NpuforgeError(
+            f"calibration runs a decode export (batch 1, 1 token per call); {export_dir} has "
+            f"batch {chain.batch}, {chain.tokens_per_call} tokens per call"
+        )
+    documents = read_documents(text)
+    doc_tokens = tokenize_documents(documents, meta["vocab_size"])
+    plan = plan_samples(doc_tokens, samples, steps, seed, zero_state)
+
+    graphs = meta["graphs"]
+    captured = []
+    for doc, start, capture_step in plan:
+        tokens = doc_tokens[doc][start:]
+        captured.append(_feeds_of_run(chain, tokens, capture_step))
+
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir) as tmp:
+        chunks = []
+        for index, graph in enumerate(graphs):
+            names = [spec["name"] for spec in graph["inputs"]]
+            rknn_dir = tmp / "rknn" / f"chunk{index}"
+            qnn_dir = tmp / "qnn" / f"chunk{index}"
+            tpu_dir = tmp / "tpumlir" / f"chunk{index}"
+            for folder in (rknn_dir, qnn_dir, tpu_dir):
+                folder.mkdir(parents=True)
+            dataset_lines, input_lines, npz_files = [], [], []
+            for j, run in enumerate(captured):
+                feeds = run[index]
+                npy_files, raw_entries = [], []
+                for k, spec in enumerate(graph["inputs"]):
+                    value = np.ascontiguousarray(feeds[spec["name"]], dtype=spec["dtype"])
+                    npy = f"sample{j}_{k}.npy"
+                    (rknn_dir / npy).write_bytes(_npy_bytes(value))
+                    npy_files.append(npy)
+                    raw = f"sample{j}_{k}.raw"
+                    little_endian = value.astype(value.dtype.newbyteorder("<"))
+                    (qnn_dir / raw).write_bytes(little_endian.tobytes())
+                    raw_entries.append(f"{spec['name']}:={raw}")
+                dataset_lines.append(" ".join(npy_files))
+                input_lines.append(" ".join(raw_entries))
+                npz = f"sample{j}.npz"
+                _write_npz(tpu_dir / npz, {n: feeds[n] for n in names})
+                npz_files.append(f"tpumlir/chunk{index}/{npz}")
+            (rknn_dir / "dataset.txt").write_text("\n".join(dataset_lines) + "\n")
+            (qnn_dir / "input_list.txt").write_text("\n".join(input_lines) + "\n")
+            chunks.append(
+                {
+                    "index": index,
+                    "file": graph["file"],
+                    "inputs": [
+                        {k: spec[k] for k in ("name", "shape", "dtype", "role")}
+                        for spec in graph["inputs"]
+                    ],
+                    "rknn": {"dataset": f"rknn/chunk{index}/dataset.txt"},
+                    "qnn": {"input_list": f"qnn/chunk{index}/input_list.txt"},
+                    "tpumlir": {"npz": npz_files},
+                }
+            )
+        record = {
+            "samples": samples,
+            "steps": steps,
+            "seed": seed,
+            "zero_state": bool(zero_state),
+            "text": {
+                "source": "project" if text is None else str(text),
+                "documents": [name for name, _ in documents],
+                "sha256": text_digest(documents),
+                "tokens": int(sum(len(t) for t in doc_tokens)),
+            },
+            "runs": [
+                {"document": documents[d][0], "start": s, "capture_step": c} for d, s, c in plan
+            ],
+            "export": {"graphs": [{"file": g["file"], "sha256": g.get("sha256")} for g in graphs]},
+            "chunks": chunks,
+        }
+        write_json(tmp / "calibration.json", record)
+    return record
+
+
+def read_calibration(calibration_dir) -> dict:
+    path = Path(calibration_dir) / "calibration.json"
+    if not path.is_file():
+        raise NpuforgeError(
+            f"{calibration_dir}: no calibration.json; run make_calibration_samples.py first"
+        )
+    return read_json(path)
