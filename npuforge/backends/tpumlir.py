@@ -61,13 +61,14 @@ def native_python(target_options) -> str:
     """The CPython 3.10 the native toolchain venv is built from.
 
     ``python`` in the target options (or $NPUFORGE_TPUMLIR_PYTHON) names it; otherwise
-    the first python3.10 on PATH, under pyenv, or in /usr(/local)/bin.
+    the first python3.10 that runs, on PATH, under pyenv, or in /usr(/local)/bin.
     """
     named = (target_options or {}).get("python") or os.environ.get("NPUFORGE_TPUMLIR_PYTHON")
     if named:
         return str(named)
     for candidate in _python_candidates():
-        if os.access(candidate, os.X_OK):
+        # A pyenv shim is on PATH even where its global version is another Python.
+        if os.access(candidate, os.X_OK) and _python_version(candidate) == "3.10":
             return candidate
     raise NpuforgeError(_NO_PYTHON)
 

@@ -10,6 +10,7 @@ writes the result JSON. Standard library only (plus the vendor tools it runs):
 it never imports npuforge.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -111,7 +112,23 @@ def versions() -> dict:
     return found
 
 
+def missing_frontend() -> str | None:
+    """TPU-MLIR's ONNX front end and calibrator import torch at module level."""
+    if importlib.util.find_spec("tpu_mlir") is None:
+        return "tpu_mlir is not installed in this environment"
+    if importlib.util.find_spec("torch") is None:
+        return (
+            "torch is not installed in the TPU-MLIR environment (its ONNX front end imports "
+            "it): install the CPU build the lock pins (envs/tpumlir/requirements.lock)"
+        )
+    return None
+
+
 def run(spec: dict) -> dict:
+    if spec.get("check_frontend", True):
+        problem = missing_frontend()
+        if problem:
+            raise SystemExit(f"error: {problem}")
     work_dir = Path(spec["work_dir"])
     logs = work_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,570 @@
+"""Sophgo TPU-MLIR backend: command lines, inputs, the job runner, the toolchain check.
+
+The command lines are checked against what TPU-MLIR documents:
+
+- TPU-MLIR Quick Start, chapter "Compile the ONNX model"
+  (https://tpumlir.org/docs/quick_start/03_onnx.html): model_transform.py with
+  --model_name/--model_def/--input_shapes/--test_input/--test_result/--mlir;
+  run_calibration.py <mlir> --dataset|--data_list --input_num -o <table>;
+  model_deploy.py --mlir --quantize --processor (alias --chip) [--calibration_table]
+  --test_input --test_reference --tolerance --model.
+- The argparse definitions of tpu_mlir 1.30.2 (python/tools/model_transform.py,
+  model_deploy.py, run_calibration.py): --input_types "like: float32,int32",
+  --input_shapes "like: [[1,3,224,224],[10],[16]]", --q_group_size for W4A16,
+  --quantize choices (F16, BF16, INT8, W8F16, W4F16, ...), --processor choices
+  (bm1684x, bm1688, ...); python/calibration/data_selector.py: a data list holds
+  one .npz path per line, each .npz keyed by input name.
+- model_tool's usage text: "--combine file1 .. fileN -o new_file: combine bmodels
+  to one bmodel by filepath".
+- numpy_helper/tensor_compare.py (print_result) and npz_compare.py: the lines the
+  similarity parser reads ("[name] SIMILAR [PASSED]", "cosine_similarity = x",
+  "npz compare PASSED.").
+
+Where a TPU-MLIR environment is present, test_flags_exist_in_the_real_tools runs
+the tools' own --help, and the integration test compiles the demo model.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npuforge.backends import tpumlir
+from npuforge.errors import NpuforgeError
+
+REPO = Path(__file__).resolve().parents[1]
+CHIPS = ("bm1684x", "bm1688")
+PRECISIONS = ("f16", "bf16", "w8f16", "w4f16", "int8")
+PREFILL_TOKENS = 8
+
+
+def _load_job_module():
+    spec = importlib.util.spec_from_file_location("tpumlir_job", tpumlir.JOB_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+job = _load_job_module()
+
+
+def _run(script, *args):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "workflow_scripts" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """A demo-sized RWKV-7 checkpoint exported as decode and prefill graphs."""
+    root = tmp_path_factory.mktemp("tpumlir_exports")
+    checkpoint = root / "demo.pth"
+    _run(
+        "make_synthetic_checkpoint.py",
+        *("--version", 7, "--layers", 2, "--embed", 128, "--vocab", 1024),
+        *("--head-size", 64, "--seed", 0, "--out", checkpoint),
+    )
+    _run(
+        "export_onnx.py",
+        *("--checkpoint", checkpoint, "--out-dir", root / "decode"),
+        *("--variant", "decode", "--dtype", "fp32"),
+    )
+    _run(
+        "export_onnx.py",
+        *("--checkpoint", checkpoint, "--out-dir", root / "prefill"),
+        *("--variant", "prefill", "--tokens", PREFILL_TOKENS, "--dtype", "fp32"),
+    )
+    return root
+
+
+def _options(chip):
+    return {"processor": chip, "tolerance": "0.99,0.90"}
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def _flags(argv):
+    return [a for a in argv if a.startswith("-")]
+
+
+def test_transform_command_has_static_shapes_and_test_files():
+    inputs = [
+        {"name": "tokens", "shape": [1, 1], "dtype": "int64"},
+        {"name": "state_0_wkv", "shape": [1, 2, 64, 64], "dtype": "float32"},
+    ]
+    argv = tpumlir.transform_command(
+        "decode", "/e/chunk0.onnx", inputs, "/w/in.npz", "/w/top.npz", "/w/d.mlir"
+    )
+    assert argv[0] == "model_transform.py"
+    pairs = dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert pairs == {
+        "--model_name": "decode",
+        "--model_def": "/e/chunk0.onnx",
+        "--input_shapes": "[[1,1],[1,2,64,64]]",
+        # bmodels have no int64: token ids enter as int32 (TPU-MLIR casts the test input).
+        "--input_types": "int32,float32",
+        "--test_input": "/w/in.npz",
+        "--test_result": "/w/top.npz",
+        "--mlir": "/w/d.mlir",
+    }
+
+
+def test_transform_refuses_dtypes_tpumlir_cannot_take():
+    with pytest.raises(NpuforgeError, match="dtype bool"):
+        tpumlir.transform_command(
+            "d", "m.onnx", [{"name": "mask", "shape": [1], "dtype": "bool"}], "i", "r", "m"
+        )
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_deploy_command_per_chip_and_precision(chip, precision):
+    quantize = tpumlir.quantize_mode(precision)
+    table = "/w/cali_table" if precision == "int8" else None
+    argv = tpumlir.deploy_command(
+        "/w/d.mlir",
+        quantize,
+        chip,
+        "/w/in.npz",
+        "/w/top.npz",
+        "0.99,0.90",
+        "/o/d.bmodel",
+        calibration_table=table,
+    )
+    assert argv[0] == "model_deploy.py"
+    pairs = dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert (
+        pairs["--quantize"]
+        == {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "int8": "INT8"}[
+            precision
+        ]
+    )
+    assert pairs["--processor"] == chip
+    assert pairs["--test_input"] == "/w/in.npz"
+    assert pairs["--test_reference"] == "/w/top.npz"
+    assert pairs["--tolerance"] == "0.99,0.90"
+    assert pairs["--model"] == "/o/d.bmodel"
+    assert ("--calibration_table" in pairs) == (precision == "int8")
+    # Only the 4-bit weight mode takes a group size.
+    assert pairs.get("--q_group_size") == ("64" if precision == "w4f16" else None)
+
+
+def test_int8_without_calibration_table_is_refused():
+    with pytest.raises(NpuforgeError, match="calibration"):
+        tpumlir.deploy_command("m", "INT8", "bm1684x", "i", "r", "0.99,0.9", "o")
+
+
+def test_calibration_and_combine_commands():
+    assert tpumlir.calibration_command("/w/d.mlir", "/w/list.txt", 8, "bm1688", "/w/t") == [
+        "run_calibration.py",
+        "/w/d.mlir",
+        "--data_list",
+        "/w/list.txt",
+        "--input_num",
+        "8",
+        "--processor",
+        "bm1688",
+        "-o",
+        "/w/t",
+    ]
+    assert tpumlir.combine_command(["/w/decode.bmodel", "/w/prefill.bmodel"], "/o/m.bmodel") == [
+        "model_tool",
+        "--combine",
+        "/w/decode.bmodel",
+        "/w/prefill.bmodel",
+        "-o",
+        "/o/m.bmodel",
+    ]
+
+
+def test_precision_and_processor_checks():
+    with pytest.raises(NpuforgeError, match="does not support precision 'int8'"):
+        tpumlir.check_precision("BM1688", "int8", ["f16", "bf16"])
+    with pytest.raises(NpuforgeError, match="no TPU-MLIR quantize mode"):
+        tpumlir.check_precision("BM1684X", "w8a8", None)
+    with pytest.raises(NpuforgeError, match="processor 'rk3588'"):
+        tpumlir.processor({"processor": "rk3588"})
+    assert tpumlir.processor({"processor": "BM1688"}) == "bm1688"
+
+
+# ---------------------------------------------------------------- inputs and spec
+
+
+def _write_calibration(root: Path, exports_root: Path, samples=3):
+    """Calibration layout of docs/interfaces.md: tpumlir/chunk{i}/ one .npz per sample."""
+    rng = np.random.default_rng(1)
+    for variant in ("decode", "prefill"):
+        inputs = tpumlir.graph_inputs(exports_root / variant / "chunk0.onnx")
+        folder = root / "tpumlir" / variant / "chunk0"
+        folder.mkdir(parents=True, exist_ok=True)
+        for j in range(samples):
+            arrays = {
+                s["name"]: (
+                    rng.integers(0, 1024, s["shape"])
+                    if s["dtype"] == "int64"
+                    else rng.standard_normal(s["shape"])
+                ).astype(s["dtype"])
+                for s in inputs
+            }
+            np.savez(folder / f"sample{j}.npz", **arrays)
+    # A stray sample of some other graph must be left out by its keys.
+    np.savez(root / "tpumlir" / "other.npz", hidden_in=np.zeros((1, 1, 128), np.float32))
+    return root
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precision):
+    calibration = _write_calibration(tmp_path / "calib", exports) if precision == "int8" else None
+    spec = tpumlir.build_spec(
+        [exports / "prefill", exports / "decode"],
+        tmp_path / "out",
+        tmp_path / "work",
+        chip.upper(),
+        _options(chip),
+        precision,
+        calibration_dir=calibration,
+    )
+    assert [g["net"] for g in spec["graphs"]] == ["decode", "prefill"]
+    stages = [s["name"] for s in spec["steps"]]
+    per_graph = (
+        ["model_transform", "run_calibration", "model_deploy"]
+        if precision == "int8"
+        else ["model_transform", "model_deploy"]
+    )
+    assert stages == [f"{g}:{s}" for g in ("decode", "prefill") for s in per_graph] + [
+        "model_tool:combine"
+    ]
+    for graph in ("decode", "prefill"):
+        onnx_inputs = tpumlir.graph_inputs(exports / graph / "chunk0.onnx")
+        transform = next(s for s in spec["steps"] if s["name"] == f"{graph}:model_transform")
+        pairs = dict(zip(transform["argv"][1::2], transform["argv"][2::2], strict=True))
+        assert pairs["--input_shapes"] == tpumlir.shapes_arg(s["shape"] for s in onnx_inputs)
+        tokens = PREFILL_TOKENS if graph == "prefill" else 1
+        assert pairs["--input_shapes"].startswith(f"[[1,{tokens}],[1,128],[1,2,64,64],")
+        with np.load(pairs["--test_input"]) as data:
+            assert list(data.files) == [s["name"] for s in onnx_inputs]
+            for s in onnx_inputs:
+                assert list(data[s["name"]].shape) == s["shape"]
+                assert data[s["name"]].dtype.name == s["dtype"]
+            assert 0 <= data["tokens"].min() and data["tokens"].max() < 1024
+            # States come from real decode steps, not zeros: the similarity check means something.
+            assert np.abs(data["state_0_wkv"]).max() > 0
+        deploy = next(s for s in spec["steps"] if s["name"] == f"{graph}:model_deploy")
+        dpairs = dict(zip(deploy["argv"][1::2], deploy["argv"][2::2], strict=True))
+        assert dpairs["--test_input"] == pairs["--test_input"]
+        assert dpairs["--test_reference"] == pairs["--test_result"]
+        assert dpairs["--processor"] == chip
+        if precision == "int8":
+            listed = Path(tmp_path / "work" / graph / "calibration_list.txt").read_text().split()
+            assert len(listed) == 3
+            assert all(f"/tpumlir/{graph}/chunk0/sample" in p for p in listed)
+            for path in listed:
+                with np.load(path) as data:
+                    assert sorted(data.files) == sorted(s["name"] for s in onnx_inputs)
+    combine = spec["steps"][-1]["argv"]
+    assert combine[:2] == ["model_tool", "--combine"]
+    assert combine[-2:] == ["-o", str((tmp_path / "out" / f"{chip}_{precision}.bmodel").resolve())]
+    assert all(os.path.isabs(p) for p in (spec["work_dir"], spec["out_dir"], spec["bmodel"]))
+
+
+def test_int8_without_matching_samples_is_refused(exports, tmp_path):
+    (tmp_path / "calib" / "tpumlir").mkdir(parents=True)
+    with pytest.raises(NpuforgeError, match="no calibration sample"):
+        tpumlir.build_spec(
+            [exports / "decode"],
+            tmp_path / "o",
+            tmp_path / "w",
+            "BM1684X",
+            _options("bm1684x"),
+            "int8",
+            calibration_dir=tmp_path / "calib",
+        )
+
+
+def test_exports_must_be_one_decode_and_one_prefill(exports):
+    with pytest.raises(NpuforgeError, match="two decode exports"):
+        tpumlir.order_exports([exports / "decode", exports / "decode"])
+    with pytest.raises(NpuforgeError, match="no decode export"):
+        tpumlir.order_exports([exports / "prefill"])
+
+
+# ---------------------------------------------------------------- job runner
+
+
+NPZ_COMPARE_LOG = """\
+[logits                          ]      SIMILAR [PASSED]
+    (1, 1, 1024) float32
+    cosine_similarity      = 0.999871
+    euclidean_similarity   = 0.984310
+    sqnr_similarity        = 36.120001
+[state_0_wkv_out                 ]        EQUAL [PASSED]
+    (1, 2, 64, 64) float32
+2 compared
+2 passed
+Target    decode_bm1684x_f16_tpu_outputs.npz
+Reference decode_top_outputs.npz
+npz compare PASSED.
+"""
+
+
+def test_parse_comparisons_reads_npz_tool_output():
+    [cmp] = job.parse_comparisons("noise\n" + NPZ_COMPARE_LOG)
+    assert cmp["passed"] is True
+    assert cmp["target"] == "decode_bm1684x_f16_tpu_outputs.npz"
+    assert cmp["reference"] == "decode_top_outputs.npz"
+    assert cmp["tensors"]["logits"] == {
+        "result": "SIMILAR",
+        "passed": True,
+        "cosine": 0.999871,
+        "euclidean": 0.98431,
+        "sqnr": 36.120001,
+    }
+    assert cmp["tensors"]["state_0_wkv_out"] == {"result": "EQUAL", "passed": True}
+    failed = NPZ_COMPARE_LOG.replace("SIMILAR [PASSED]", "NOT_SIMLIAR [FAILED]").replace(
+        "compare PASSED", "compare FAILED"
+    )
+    [bad] = job.parse_comparisons(failed)
+    assert bad["passed"] is False and bad["tensors"]["logits"]["passed"] is False
+
+
+def _fake_step(tmp_path, name, code, expects):
+    return {
+        "name": name,
+        "graph": "decode",
+        "stage": "deploy",
+        "cwd": str(tmp_path),
+        "argv": [sys.executable, "-c", code],
+        "expects": [str(p) for p in expects],
+    }
+
+
+def test_job_runs_steps_and_records_similarity(tmp_path):
+    out = tmp_path / "d.bmodel"
+    code = f"print({NPZ_COMPARE_LOG!r}); open({str(out)!r}, 'wb').write(b'x')"
+    spec = {
+        "work_dir": str(tmp_path),
+        "result": str(tmp_path / "r.json"),
+        "check_frontend": False,
+        "steps": [_fake_step(tmp_path, "decode:model_deploy", code, [out])],
+    }
+    result = job.run(spec)
+    assert result["steps"][0]["passed"] is True
+    assert result["steps"][0]["comparisons"][0]["tensors"]["logits"]["cosine"] == 0.999871
+    assert json.loads((tmp_path / "r.json").read_text()) == result
+
+
+def test_job_stops_when_similarity_fails_even_with_exit_zero(tmp_path):
+    out = tmp_path / "d.bmodel"
+    failing = NPZ_COMPARE_LOG.replace("SIMILAR [PASSED]", "NOT_SIMLIAR [FAILED]").replace(
+        "compare PASSED", "compare FAILED"
+    )
+    code = f"print({failing!r}); open({str(out)!r}, 'wb').write(b'x')"
+    spec = {
+        "work_dir": str(tmp_path),
+        "result": str(tmp_path / "r.json"),
+        "check_frontend": False,
+        "tolerance": "0.99,0.90",
+        "steps": [
+            _fake_step(tmp_path, "decode:model_deploy", code, [out]),
+            _fake_step(tmp_path, "never", "raise SystemExit(3)", []),
+        ],
+    }
+    with pytest.raises(SystemExit, match="similarity below tolerance"):
+        job.run(spec)
+    recorded = json.loads((tmp_path / "r.json").read_text())
+    assert [s["name"] for s in recorded["steps"]] == ["decode:model_deploy"]
+
+
+def test_job_fails_on_missing_output_and_tool_error(tmp_path):
+    spec = {
+        "work_dir": str(tmp_path),
+        "result": str(tmp_path / "r.json"),
+        "check_frontend": False,
+        "steps": [_fake_step(tmp_path, "s", "print('ok')", [tmp_path / "missing.bmodel"])],
+    }
+    with pytest.raises(SystemExit, match="did not write"):
+        job.run(spec)
+    spec["steps"] = [_fake_step(tmp_path, "s", "raise ValueError('bad shape')", [])]
+    with pytest.raises(SystemExit, match="ValueError: bad shape"):
+        job.run(spec)
+
+
+def test_tool_environment_preloads_the_system_libc():
+    env = job.tool_environment(2)
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    preload = env.get("LD_PRELOAD", "").split()
+    assert any(os.path.basename(p).startswith("libc") for p in preload)
+    assert all(os.path.isfile(p) for p in preload)
+
+
+def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
+    stamp = tmp_path / "stamp.json"
+    # A "toolchain" without tpu_mlir: the job must stop at its front-end check.
+    stamp.write_text(
+        json.dumps(
+            {"backend": "tpumlir", "runtime": "native", "python": sys.executable, "versions": {}}
+        )
+    )
+    with pytest.raises(NpuforgeError, match="tpu_mlir is not installed"):
+        tpumlir.compile_bmodel(
+            exports=[exports / "decode", exports / "prefill"],
+            target="BM1684X",
+            target_options=_options("bm1684x"),
+            precision="f16",
+            stamp_path=stamp,
+            out_dir=tmp_path / "out",
+        )
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["stamp.json"]
+
+
+def test_cli_refuses_a_precision_the_chip_lacks(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "workflow_scripts" / "compile_tpumlir.py"),
+            "--export",
+            str(tmp_path),
+            "--target",
+            "BM1688",
+            "--target-options",
+            json.dumps(_options("bm1688")),
+            "--precision",
+            "int8",
+            "--precisions",
+            "f16,bf16",
+            "--toolchain",
+            str(tmp_path / "s.json"),
+            "--out-dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: BM1688 does not support precision 'int8'")
+
+
+# ---------------------------------------------------------------- toolchain check
+
+
+def test_unavailable_reason_names_the_missing_python(tmp_path):
+    reason = tpumlir.unavailable_reason("native", {"python": str(tmp_path / "python3.10")})
+    assert "CPython 3.10" in reason and "not runnable" in reason
+    reason = tpumlir.unavailable_reason("native", {"python": sys.executable})
+    assert f"is Python {sys.version_info[0]}.{sys.version_info[1]}" in reason
+
+
+def _python310():
+    try:
+        python = tpumlir.native_python({})
+    except NpuforgeError:
+        return None
+    return python if tpumlir._python_version(python) == "3.10" else None
+
+
+def test_unavailable_reason_wants_a_cpu_torch_wheel(tmp_path, monkeypatch):
+    python = _python310()
+    if python is None:
+        pytest.skip("no CPython 3.10 on this machine: the torch-wheel branch is not reached")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    reason = tpumlir.unavailable_reason("native", {"python": python})
+    assert "torch==2.11.0+cpu" in reason and "PIP_FIND_LINKS" in reason
+    wheel = tmp_path / "torch-2.11.0+cpu-cp310-cp310-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    assert tpumlir.unavailable_reason("native", {"python": python}) is None
+
+
+# ---------------------------------------------------------------- the real toolchain
+
+
+def _toolchain_python():
+    """A Python with tpu_mlir installed: a prepared native venv, or $NPUFORGE_TPUMLIR_ENV."""
+    candidates = [os.environ.get("NPUFORGE_TPUMLIR_ENV", "")]
+    candidates += sorted(glob.glob(str(REPO / "results/toolchains/tpumlir-native-*")))
+    candidates.append("/work/venvs/tpumlir")
+    for root in filter(None, candidates):
+        python = Path(root) / "bin" / "python"
+        if python.exists() and glob.glob(f"{root}/lib/python3.10/site-packages/tpu_mlir/"):
+            return python
+    return None
+
+
+def test_flags_exist_in_the_real_tools(tmp_path):
+    python = _toolchain_python()
+    if python is None:
+        pytest.skip("no TPU-MLIR environment (tpu_mlir on CPython 3.10) on this machine")
+    inputs = [{"name": "tokens", "shape": [1, 1], "dtype": "int64"}]
+    ours = {
+        "model_transform.py": tpumlir.transform_command("d", "m", inputs, "i", "r", "m"),
+        "model_deploy.py": tpumlir.deploy_command(
+            "m", "W4F16", "bm1688", "i", "r", "0.99,0.9", "o", calibration_table="t"
+        ),
+    }
+    code = (
+        "import importlib.util, subprocess, sys; "
+        f"spec = importlib.util.spec_from_file_location('j', {str(tpumlir.JOB_SCRIPT)!r}); "
+        "j = importlib.util.module_from_spec(spec); spec.loader.exec_module(j); "
+        "sys.exit(subprocess.run([sys.argv[1], '--help'], env=j.tool_environment(1)).returncode)"
+    )
+    for tool, argv in ours.items():
+        out = subprocess.run(
+            [str(python), "-c", code, tool], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
+        for flag in _flags(argv):
+            assert flag in out.stdout, f"{tool} has no {flag}"
+    # quantize modes and processors we emit are among the tool's choices
+    out = subprocess.run(
+        [str(python), "-c", code, "model_deploy.py"], capture_output=True, text=True, timeout=120
+    )
+    for word in [*tpumlir.QUANTIZE.values(), *tpumlir.PROCESSORS]:
+        assert word in out.stdout
+
+
+@pytest.mark.toolchain
+def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path):
+    python = _toolchain_python()
+    if python is None:
+        pytest.skip("no TPU-MLIR environment (tpu_mlir on CPython 3.10) on this machine")
+    has_torch = subprocess.run([str(python), "-c", "import torch"], capture_output=True)
+    if has_torch.returncode != 0:
+        pytest.skip(
+            f"{python} has tpu_mlir but no torch, which TPU-MLIR's ONNX front end imports; "
+            f"install torch=={tpumlir.TORCH_PIN} (see envs/tpumlir/requirements.lock)"
+        )
+    stamp = tmp_path / "stamp.json"
+    stamp.write_text(
+        json.dumps(
+            {"backend": "tpumlir", "runtime": "native", "python": str(python), "versions": {}}
+        )
+    )
+    record = tpumlir.compile_bmodel(
+        exports=[exports / "decode", exports / "prefill"],
+        target="BM1684X",
+        target_options=_options("bm1684x"),
+        precision="f16",
+        stamp_path=stamp,
+        out_dir=tmp_path / "out",
+        threads=2,
+    )
+    bmodel = tmp_path / "out" / record["artifacts"][0]["file"]
+    assert bmodel.stat().st_size > 0
+    assert record["artifacts"][0]["nets"] == ["decode", "prefill"]
+    assert record["toolchain"]["versions"]["tpu_mlir"]
+    assert record["verification"]["passed"] is True
+    assert record["verification"]["cosine"] >= 0.99
