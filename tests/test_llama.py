@@ -184,3 +184,30 @@ def test_synthetic_checkpoint_runs_through_graph_chain(tmp_path):
     got = GraphChain(tmp_path / "x").run(ids)
     want = llama.reference_logits(tmp_path / "a", ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_export_is_deterministic_and_external_data_loads(checkpoints, tmp_path):
+    from npuforge.runtime import GraphChain
+
+    options = {"variant": "decode", "cache_len": 16, "chunks": 2, "sha": True}
+    first = llama.export_llama(checkpoints["qwen2"], tmp_path / "a", **options)
+    again = llama.export_llama(checkpoints["qwen2"], tmp_path / "b", **options)
+    assert [g["sha256"] for g in first["graphs"]] == [g["sha256"] for g in again["graphs"]]
+
+    external = llama.export_llama(
+        checkpoints["qwen2"], tmp_path / "c", external_data=True, **options
+    )
+    for graph in external["graphs"]:
+        data = tmp_path / "c" / graph["external_data"]["file"]
+        assert data.is_file() and data.stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "chunk0.onnx",
+        "chunk0.onnx.data",
+        "chunk1.onnx",
+        "chunk1.onnx.data",
+        "export.json",
+    ]
+    ids = np.random.default_rng(1).integers(0, TINY_CONFIGS["qwen2"]["vocab_size"], (1, 16))
+    np.testing.assert_array_equal(
+        GraphChain(tmp_path / "c").run(ids), GraphChain(tmp_path / "a").run(ids)
+    )

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ MASK_VALUE = -1.0e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 DEFAULT_PREFILL_TOKENS = 16
 ONNX_OPSET = 17
+# Weights beyond this go to chunkN.onnx.data: protobuf cannot hold 2 GiB.
+EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
 # --------------------------------------------------------------------------- config
@@ -569,7 +572,9 @@ def cache_name(layer: int, kind: str) -> str:
     return f"cache_{layer}_{kind}"
 
 
-def _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype):
+def _export_chunk(model, first, last, inputs, outputs, scratch):
+    """Trace layers [first, last) to ONNX; return the model with canonical names."""
+    import onnx
     import torch
 
     class Chunk(torch.nn.Module):
@@ -589,8 +594,11 @@ def _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype):
         else:
             examples.append(torch.zeros(spec["shape"], dtype=model.embed_tokens.weight.dtype))
     # The TorchScript exporter keeps module scopes in node names (/layers.{i}/self_attn/...),
-    # which the MHA->SHA pass keys on.
-    with warnings.catch_warnings():
+    # which the MHA->SHA pass keys on. Past 2 GB it writes one file per tensor, hence
+    # the scratch folder.
+    scratch.mkdir()
+    path = scratch / "chunk.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
             Chunk().eval(),
@@ -602,19 +610,37 @@ def _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype):
             dynamo=False,
             do_constant_folding=True,
         )
-    _canonicalize_names(path)
+    proto = onnx.load(str(path))
+    _canonicalize_names(proto)
+    return proto
 
 
-def _canonicalize_names(path):
+def save_onnx(proto, path, external: bool | None = None) -> dict | None:
+    """Save ``proto``; weights go to ``<file>.data`` when asked or past the protobuf limit.
+
+    Returns the graph's ``external_data`` entry for export.json, or None.
+    """
+    import onnx
+
+    path = Path(path)
+    if external is None:
+        weight_bytes = sum(len(t.raw_data) for t in proto.graph.initializer)
+        external = weight_bytes > EXTERNAL_DATA_BYTES
+    if not external:
+        onnx.save(proto, str(path))
+        return None
+    data = f"{path.name}.data"
+    onnx.save(proto, str(path), save_as_external_data=True, location=data)
+    return {"file": data, "sha256": sha256_file(path.parent / data)}
+
+
+def _canonicalize_names(proto):
     """Give nodes and weights stable, readable names the MHA->SHA pass can key on.
 
     The exporter's wrapper adds '/model' to node names ('/model/layers.0/...' becomes
     '/layers.0/...'), and transposed Linear weights arrive as 'onnx::MatMul_<n>';
     they are renamed '<module path>.weight_t' ([in, out]) after the MatMul that reads them.
     """
-    import onnx
-
-    proto = onnx.load(str(path))
     graph = proto.graph
     renames = {}
     for node in graph.node:
@@ -632,7 +658,6 @@ def _canonicalize_names(path):
     for node in graph.node:
         for i, name in enumerate(node.input):
             node.input[i] = renames.get(name, name)
-    onnx.save(proto, str(path))
 
 
 def export_llama(
@@ -647,6 +672,7 @@ def export_llama(
     cache_len: int | None = None,
     sha: bool = False,
     ext_embedding: bool = False,
+    external_data: bool | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -654,7 +680,8 @@ def export_llama(
     (default DEFAULT_PREFILL_TOKENS). ext_embedding=True writes embedding.bin
     (npuforge.export layout) and the first chunk takes rows of it (role "embedding").
     cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
-    MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk.
+    MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk. external_data: weights
+    in chunkN.onnx.data (None: only past the 2 GB protobuf limit).
     """
     import torch
 
@@ -704,22 +731,26 @@ def export_llama(
                 np_dtype=np_dtype,
                 ext_embedding=ext_embedding,
             )
-            path = tmp / f"chunk{index}.onnx"
-            with torch.no_grad():
-                _export_chunk(model, cfg, first, last, inputs, outputs, path, np_dtype)
+            scratch = tmp / f".scratch{index}"
+            proto = _export_chunk(model, first, last, inputs, outputs, scratch)
             if sha:
                 from npuforge.passes import mha_to_sha
 
-                mha_to_sha.convert_file(path, path)
-            graphs.append(
-                {
-                    "file": path.name,
-                    "sha256": sha256_file(path),
-                    "layers": [first, last],
-                    "inputs": inputs,
-                    "outputs": outputs,
-                }
-            )
+                proto = mha_to_sha.convert(proto)
+            path = tmp / f"chunk{index}.onnx"
+            external = save_onnx(proto, path, external_data)
+            del proto
+            shutil.rmtree(scratch)
+            graph = {
+                "file": path.name,
+                "sha256": sha256_file(path),
+                "layers": [first, last],
+                "inputs": inputs,
+                "outputs": outputs,
+            }
+            if external:
+                graph["external_data"] = external
+            graphs.append(graph)
         meta = {
             "family": "llama",
             "arch": cfg.model_type,
@@ -736,7 +767,12 @@ def export_llama(
             "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "config": asdict(cfg),
-            "options": {"sha": sha, "ext_embedding": ext_embedding, "mask_value": MASK_VALUE},
+            "options": {
+                "sha": sha,
+                "ext_embedding": ext_embedding,
+                "mask_value": MASK_VALUE,
+                "opset": ONNX_OPSET,
+            },
             "embedding": embedding,
             "graphs": graphs,
         }
