@@ -568,3 +568,135 @@ def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path):
     assert record["toolchain"]["versions"]["tpu_mlir"]
     assert record["verification"]["passed"] is True
     assert record["verification"]["cosine"] >= 0.99
+
+
+# A top MLIR built with TPU-MLIR's own TpuLang API: its ONNX front end needs torch,
+# TpuLang does not, so model_deploy and model_tool run for real wherever tpu_mlir is.
+TPULANG_GRAPH = """
+import sys, numpy as np, tpu_mlir
+sys.path.insert(0, tpu_mlir.package_path + "/python")
+import transform.TpuLang as tpul
+from transform.TpuLangConverter import TpuLangConverter
+from utils.mlir_shell import mlir_opt_for_top
+from tools.model_runner import mlir_inference
+name = sys.argv[1]
+rng = np.random.default_rng(0)
+tpul.init("bm1684x")
+x = tpul.Tensor(dtype="float32", shape=[1, 32], name="x")
+w = tpul.Tensor(dtype="float32", shape=[32, 16], ttype="coeff", name="w",
+                data=(rng.standard_normal((32, 16)) * 0.1).astype(np.float32))
+y = tpul.tanh(tpul.matmul(x, w, out_name="mm"), out_name="y")
+tpul.TpuLang.graph.inputs, tpul.TpuLang.graph.outputs = [x], [y]
+converter = TpuLangConverter(name=name, graph=tpul.TpuLang.graph, mode="f32")
+converter.generate_mlir(name + "_origin.mlir")
+mlir_opt_for_top(name + "_origin.mlir", name + ".mlir")
+inputs = {"x": rng.standard_normal((1, 32)).astype(np.float32)}
+np.savez("in.npz", **inputs)
+np.savez(name + "_top_outputs.npz", **mlir_inference(inputs, name + ".mlir", dump_all=False))
+"""
+
+
+def _tool_run(python, argv, cwd):
+    code = (
+        "import importlib.util, subprocess, sys; "
+        f"spec = importlib.util.spec_from_file_location('j', {str(tpumlir.JOB_SCRIPT)!r}); "
+        "j = importlib.util.module_from_spec(spec); spec.loader.exec_module(j); "
+        "sys.exit(subprocess.run(sys.argv[1:], env=j.tool_environment(2)).returncode)"
+    )
+    return subprocess.run(
+        [str(python), "-c", code, *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_real_deploy_gate_and_combine(tmp_path):
+    python = _toolchain_python()
+    if python is None:
+        pytest.skip("no TPU-MLIR environment (tpu_mlir on CPython 3.10) on this machine")
+    nets = ("decode", "prefill")
+    for net in nets:
+        (tmp_path / net).mkdir()
+        made = _tool_run(python, [python, "-c", TPULANG_GRAPH, net], tmp_path / net)
+        assert made.returncode == 0, made.stdout[-1500:] + made.stderr[-1500:]
+
+    def deploy_step(net, quantize, tolerance):
+        d = tmp_path / net
+        bmodel = d / f"{net}_{quantize}.bmodel"
+        argv = tpumlir.deploy_command(
+            d / f"{net}.mlir",
+            quantize,
+            "bm1684x",
+            d / "in.npz",
+            d / f"{net}_top_outputs.npz",
+            tolerance,
+            bmodel,
+        )
+        return bmodel, {
+            "name": f"{net}:model_deploy",
+            "graph": net,
+            "stage": "deploy",
+            "cwd": str(d),
+            "argv": argv,
+            "expects": [str(bmodel)],
+        }
+
+    steps, bmodels = [], []
+    for net in nets:
+        bmodel, step = deploy_step(net, "F16", "0.99,0.90")
+        steps.append(step)
+        bmodels.append(bmodel)
+    combined = tmp_path / "combined.bmodel"
+    steps.append(
+        {
+            "name": "model_tool:combine",
+            "graph": None,
+            "stage": "combine",
+            "cwd": str(tmp_path),
+            "argv": tpumlir.combine_command(bmodels, combined),
+            "expects": [str(combined)],
+        }
+    )
+    spec = {
+        "work_dir": str(tmp_path / "work"),
+        "result": str(tmp_path / "result.json"),
+        "threads": 2,
+        "check_frontend": False,
+        "steps": steps,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    ran = subprocess.run(
+        [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["versions"]["tpu_mlir"]
+    for step in result["steps"][:2]:
+        # tpu MLIR vs top MLIR (figures), then the bmodel on the simulator vs tpu MLIR.
+        first, second = step["comparisons"]
+        assert first["passed"] and first["tensors"]["y"]["cosine"] >= 0.99
+        assert second["passed"] and second["target"].endswith("_model_outputs.npz")
+    info = _tool_run(python, ["model_tool", "--info", combined], tmp_path)
+    assert "net 0: [decode]" in info.stdout and "net 1: [prefill]" in info.stdout
+
+    # The similarity check gates the build: BF16 cannot reach a cosine of 1 - 1e-9.
+    _, strict = deploy_step("decode", "BF16", "0.999999999,0.999999999")
+    spec["steps"], spec["result"] = [strict], str(tmp_path / "strict.json")
+    (tmp_path / "strict_spec.json").write_text(json.dumps(spec))
+    ran = subprocess.run(
+        [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "strict_spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode != 0
+    assert "decode:model_deploy failed" in ran.stderr
+    assert (
+        not Path(strict["expects"][0]).exists()
+        or not json.loads((tmp_path / "strict.json").read_text())["steps"][0]["passed"]
+    )
