@@ -1,0 +1,170 @@
+"""Compile one ONNX graph chunk with rknn-toolkit2 and run it on the simulator.
+
+Runs inside the rknn toolchain environment (standard library, numpy and the
+toolkit only; never npuforge):
+
+    python rknn_job.py spec.json
+
+The spec (written by npuforge.backends.rknn) holds absolute paths and options:
+``onnx``, ``rknn`` (output), ``target_platform``, ``precision``,
+``quantized_algorithm``, ``optimization_level``, ``dataset`` (or null),
+``inputs``/``outputs`` (graph order: name, shape, role, and ``output`` for a
+state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]},
+save: {output: .npy to write [steps, *shape]}}), ``build_log`` and ``result``.
+
+The simulator only works inside the RKNN object that built the model, so the
+build, the export and the recurrent run happen in this one process: state
+inputs start at zero and take the simulator's own state outputs on each step.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+
+# This file sits next to npuforge/backends/rknn.py, which would shadow the
+# toolkit's own ``rknn`` package: drop the script's directory from the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def _redirect_fds(path):
+    """Send fd 1 and 2 (where the toolkit's C++ part logs) to ``path``; return a restorer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+
+    def restore():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+    return restore
+
+
+# One row of the compiler's "Network Layer Information Table":
+#   D RKNN: [hh:mm:ss.mmm] <id> <OpType> <DataType> <Target> <shapes...> ... <OpType>:<name>
+_ROW = re.compile(r"RKNN: \[[^\]]*\]\s+(\d+)\s+(\S+)\s+(\S+)\s+(CPU|NPU|GPU)\s+.*\s(\S+)\s*$")
+_IO_OPS = {"InputOperator", "OutputOperator"}
+
+
+def parse_placement(log_text):
+    """Ops per target from the layer table; the CPU ones (besides graph I/O) are fallbacks."""
+    rows = {}
+    for line in log_text.splitlines():
+        match = _ROW.search(line)
+        if match:
+            op_id, op_type, _, target, full_name = match.groups()
+            rows[int(op_id)] = (op_type, target, full_name)
+    counts = {}
+    fallback = []
+    for op_type, target, full_name in rows.values():
+        if op_type in _IO_OPS:
+            continue
+        counts[target] = counts.get(target, 0) + 1
+        if target != "NPU":
+            fallback.append({"op": op_type, "target": target, "name": full_name})
+    return {"ops": counts, "cpu_fallback": len(fallback), "fallback_ops": fallback}
+
+
+_LOG = {}
+
+
+def _last_toolkit_error(log_path):
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as handle:
+            lines = [line.strip() for line in handle if line.startswith(("E ", "\x1b[1;31mE"))]
+    except OSError:
+        return ""
+    return re.sub(r"\x1b\[[0-9;]*m", "", lines[-1]) if lines else ""
+
+
+def _check(code, what):
+    if code != 0:
+        detail = _last_toolkit_error(_LOG.get("path", ""))
+        raise RuntimeError(f"rknn-toolkit2 {what} failed ({detail or f'return code {code}'})")
+
+
+def main(spec_path):
+    import numpy as np
+    from rknn.api import RKNN
+
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    quantize = spec["precision"] != "fp16"
+    log_path = spec["build_log"]
+    _LOG["path"] = log_path
+    timings = {}
+    restore = _redirect_fds(log_path)
+    try:
+        start = time.monotonic()
+        rknn = RKNN(verbose=True)
+        config = {
+            "target_platform": spec["target_platform"],
+            "optimization_level": int(spec["optimization_level"]),
+        }
+        if quantize:
+            config["quantized_dtype"] = spec["precision"]
+            config["quantized_algorithm"] = spec["quantized_algorithm"]
+        _check(rknn.config(**config), "config")
+        _check(rknn.load_onnx(model=spec["onnx"]), "load_onnx")
+        _check(rknn.build(do_quantization=quantize, dataset=spec["dataset"]), "build")
+        _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
+        timings["compile_s"] = round(time.monotonic() - start, 2)
+
+        verify = spec.get("verify")
+        if verify:
+            start = time.monotonic()
+            _check(rknn.init_runtime(), "init_runtime (simulator)")
+            feeds = {name: np.load(path) for name, path in verify["feeds"].items()}
+            state = {
+                i["name"]: np.zeros(i["shape"], dtype=np.float32)
+                for i in spec["inputs"]
+                if i["role"] == "state"
+            }
+            by_output = {i["output"]: i["name"] for i in spec["inputs"] if i["role"] == "state"}
+            saved = {name: [] for name in verify["save"]}
+            # 4-D inputs are NCHW in ONNX; the simulator assumes NHWC unless told.
+            formats = ["nchw"] * len(spec["inputs"])
+            for step in range(int(verify["steps"])):
+                inputs = []
+                for i in spec["inputs"]:
+                    value = state[i["name"]] if i["role"] == "state" else feeds[i["name"]][step]
+                    inputs.append(np.ascontiguousarray(value, dtype=np.float32))
+                outputs = rknn.inference(inputs=inputs, data_format=formats)
+                if outputs is None:
+                    raise RuntimeError(f"simulator inference failed at step {step}")
+                for o, value in zip(spec["outputs"], outputs, strict=True):
+                    value = np.asarray(value, dtype=np.float32).reshape(o["shape"])
+                    if o["name"] in by_output:
+                        state[by_output[o["name"]]] = value
+                    if o["name"] in saved:
+                        saved[o["name"]].append(value)
+            for name, path in verify["save"].items():
+                np.save(path, np.stack(saved[name]))
+            timings["simulate_s"] = round(time.monotonic() - start, 2)
+        rknn.release()
+    finally:
+        restore()
+
+    with open(log_path, encoding="utf-8", errors="replace") as handle:
+        placement = parse_placement(handle.read())
+    result = {"placement": placement, "timings": timings}
+    with open(spec["result"], "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2, sort_keys=True)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except Exception as err:  # one line the runner can show; the log has the rest
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.exit(1)
