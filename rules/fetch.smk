@@ -13,7 +13,7 @@ rule fetch:
         source=lambda w: as_json(MODELS[w.model]["source"]),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
     shell:
-        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256 {params.sha256:q} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
 
 rule inspect:
@@ -29,4 +29,4 @@ rule inspect:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     shell:
-        "python workflow_scripts/inspect_checkpoint.py {input.checkpoint} --out {output} > {log} 2>&1"
+        "python workflow_scripts/inspect_checkpoint.py --checkpoint {input.checkpoint} --out {output} > {log} 2>&1"
