@@ -1,0 +1,642 @@
+"""Qualcomm HTP backend: per-SoC QNN context binaries, verified on the x86 HTP simulator.
+
+Two routes produce the binaries:
+
+* ``ep`` (default, runs here): ONNX Runtime's QNN execution provider from the
+  ``onnxruntime-qnn`` wheel (QAIRT host libraries) compiles each graph chunk
+  into a QNN HTP context binary for the target's ``soc_model``/``htp_arch``
+  (EP-context generation) and runs it on the simulator. The work happens in
+  ``qnn_job.py`` inside the toolchain environment; this module writes its spec
+  and turns its result into ``compile.json``.
+* ``sdk``: the QNN SDK's own command-line tools, for users who hold the SDK
+  (``npuforge.backends.qnn_sdk``).
+
+The route is ``route`` in the target options, or ``NPUFORGE_QNN_ROUTE`` for
+every QNN target at once.
+
+No heavy imports at module level: the toolchain module imports this one while
+Snakemake parses the workflow.
+"""
+
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
+
+BACKEND = "qnn"
+JOB_SCRIPT = Path(__file__).with_name("qnn_job.py")
+ROUTES = ("ep", "sdk")
+ROUTE_ENV = "NPUFORGE_QNN_ROUTE"
+PRECISIONS = ("fp16", "a16w8", "a16w4")
+QUANTIZED = ("a16w8", "a16w4")
+
+# SoC model ids from the QNN SDK's Qnn_SocModel_t (QnnTypes.h) and HTP
+# versions, for one-line messages and for checking targets.yaml entries.
+SOC_MODELS = {
+    "SM8350": (30, 68),
+    "SM8450": (36, 69),
+    "SM8475": (42, 69),
+    "SM8550": (43, 73),
+    "SM8650": (57, 75),
+    "SC8380": (60, 73),
+    "SM8750": (69, 79),
+}
+
+# What each HTP generation computes natively: no fp16 datapath before v69, and
+# 4-bit weights only from v73 on.
+MIN_HTP_ARCH = {"a16w8": 68, "fp16": 69, "a16w4": 73}
+
+# A context must stay under the HTP's 2 GB graph allocation; weights take this
+# much of it, the rest is activations, spill-fill and the context's own tables.
+CONTEXT_WEIGHT_BUDGET = 1_500_000_000
+BYTES_PER_PARAM = {"fp16": 2.0, "a16w8": 1.0, "a16w4": 0.5}
+
+# Calibrated activation ranges are widened by this share of their span: few
+# samples miss a recurrent model's extremes, and 16-bit codes have bits to spare.
+RANGE_MARGIN = 0.1
+
+# Lowest acceptable logits cosine on the simulator vs onnxruntime fp32 (issue 5).
+MIN_COSINE = {"fp16": 0.9999, "a16w8": 0.999, "a16w4": 0.99}
+
+# Context binaries are not forward compatible: the device must load them with
+# the same QAIRT release's runtime libraries (or a newer one that still reads it).
+DEVICE_RUNTIME_NOTE = (
+    "load these context binaries with QAIRT {version} device libraries: libQnnHtp.so, "
+    "libQnnSystem.so, libQnnHtpV{arch}Stub.so and hexagon-v{arch} libQnnHtpV{arch}Skel.so "
+    "from the same QAIRT release (onnxruntime-qnn {ort_qnn} on Android/Windows ARM64 ships them)"
+)
+
+
+# --------------------------------------------------------------------------- capability
+
+
+def route(target_options: dict) -> str:
+    chosen = os.environ.get(ROUTE_ENV) or (target_options or {}).get("route") or "ep"
+    if chosen not in ROUTES:
+        raise NpuforgeError(
+            f"unknown QNN route '{chosen}': set route (or {ROUTE_ENV}) "
+            f"to one of {', '.join(ROUTES)}"
+        )
+    return chosen
+
+
+def supported_precisions(htp_arch: int) -> list[str]:
+    return [p for p in PRECISIONS if int(htp_arch) >= MIN_HTP_ARCH[p]]
+
+
+def precision_problem(target_id: str, target_options: dict, precision: str) -> str | None:
+    """One line when ``precision`` cannot run on this SoC's HTP, else None."""
+    if precision not in PRECISIONS:
+        return (
+            f"target {target_id}: precision '{precision}' is not a QNN precision; "
+            f"choose one of {', '.join(PRECISIONS)}"
+        )
+    arch = int(target_options.get("htp_arch", 0))
+    if arch < MIN_HTP_ARCH[precision]:
+        supported = ", ".join(supported_precisions(arch)) or "none"
+        return (
+            f"target {target_id} has HTP v{arch}, which cannot run {precision} "
+            f"(needs v{MIN_HTP_ARCH[precision]} or newer); it supports: {supported}"
+        )
+    return None
+
+
+def check_target(target_id: str, target_options: dict, precision: str) -> None:
+    problem = precision_problem(target_id, target_options, precision)
+    if problem:
+        raise NpuforgeError(problem)
+    for key in ("soc_model", "htp_arch"):
+        if key not in target_options:
+            raise NpuforgeError(
+                f"target {target_id}: options need '{key}' for the QNN backend; "
+                "add it in targets.yaml"
+            )
+    known = SOC_MODELS.get(target_id)
+    given = (int(target_options["soc_model"]), int(target_options["htp_arch"]))
+    if known and known != given:
+        raise NpuforgeError(
+            f"target {target_id}: soc_model/htp_arch {given[0]}/{given[1]} "
+            "do not match the QNN SDK's "
+            f"{known[0]}/{known[1]}; fix targets.yaml"
+        )
+
+
+def plan_chunks(n_params: int, precision: str, budget_bytes: int = CONTEXT_WEIGHT_BUDGET) -> int:
+    """Graph chunks so that each HTP context's weights stay within the budget."""
+    if precision not in BYTES_PER_PARAM:
+        raise NpuforgeError(
+            f"unknown QNN precision '{precision}'; choose one of {', '.join(PRECISIONS)}"
+        )
+    return max(1, math.ceil(int(n_params) * BYTES_PER_PARAM[precision] / budget_bytes))
+
+
+def unavailable_reason(runtime: str, target_options: dict) -> str | None:
+    """Cheap parse-time check of what this host lacks for a QNN target, as one line."""
+    target_options = dict(target_options or {})
+    try:
+        chosen = route(target_options)
+    except NpuforgeError as err:
+        return str(err)
+    if chosen == "sdk":
+        from npuforge.backends import qnn_sdk
+
+        return qnn_sdk.unavailable_reason(runtime, target_options)
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (
+            "the QNN EP route compiles with onnxruntime-qnn's x86_64 Linux host libraries; "
+            "build QNN targets on an x86_64 Linux machine"
+        )
+    if runtime == "native" and sys.version_info[:2] != (3, 11):
+        return (
+            "onnxruntime-qnn 2.7.0 ships only CPython 3.11 wheels: run the workflow with "
+            "Python 3.11 or use a container runtime (toolchain runtime podman/docker)"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _load_export(path) -> dict:
+    path = Path(path)
+    try:
+        meta = read_json(path / "export.json")
+    except FileNotFoundError:
+        raise NpuforgeError(
+            f"{path} has no export.json: pass an export directory (export_onnx.py --out-dir)"
+        ) from None
+    meta["dir"] = path.resolve()
+    return meta
+
+
+def split_exports(export_dirs) -> tuple[dict, dict | None]:
+    """(decode export, prefill export or None) from the --export directories."""
+    by_variant = {}
+    for directory in export_dirs:
+        meta = _load_export(directory)
+        variant = meta.get("variant", "decode")
+        if variant in by_variant:
+            raise NpuforgeError(
+                f"two {variant} exports given ({by_variant[variant]['dir']}, {meta['dir']}); "
+                "pass one"
+            )
+        by_variant[variant] = meta
+    if "decode" not in by_variant:
+        raise NpuforgeError(
+            "no decode export among --export directories; the QNN backend compiles decode graphs"
+        )
+    decode, prefill = by_variant["decode"], by_variant.get("prefill")
+    if prefill and len(prefill["graphs"]) != len(decode["graphs"]):
+        raise NpuforgeError(
+            f"prefill export has {len(prefill['graphs'])} chunks but decode has "
+            f"{len(decode['graphs'])}: "
+            "export both with the same --chunks"
+        )
+    return decode, prefill
+
+
+def calibration_samples(calibration_dir, chunk: int) -> list[dict]:
+    """One chunk's samples, [{input name: absolute raw path}], from qnn/chunk{i}/input_list.txt."""
+    listing = Path(calibration_dir) / "qnn" / f"chunk{chunk}" / "input_list.txt"
+    if not listing.is_file():
+        raise NpuforgeError(
+            f"calibration directory has no {listing.relative_to(Path(calibration_dir))}: "
+            "rerun make_calibration_samples.py for this export"
+        )
+    samples = []
+    for line in listing.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        sample = {}
+        for entry in line.split():
+            name, sep, raw = entry.partition(":=")
+            if not sep:
+                raise NpuforgeError(
+                    f"{listing}: entry '{entry}' is not name:=path; regenerate the samples"
+                )
+            raw_path = Path(raw)
+            if not raw_path.is_absolute():
+                raw_path = listing.parent / raw_path
+            sample[name] = str(raw_path.resolve())
+        samples.append(sample)
+    if not samples:
+        raise NpuforgeError(f"{listing} lists no samples: rerun make_calibration_samples.py")
+    return samples
+
+
+def read_embedding_rows(path, ids):
+    """Rows of an ``embedding.bin`` (layout in npuforge/models/rwkv.py) as float32."""
+    import numpy as np
+
+    header = np.fromfile(path, dtype=np.uint8, count=32).tobytes()
+    if header[:8] != b"NPFEMB\0\0":
+        raise NpuforgeError(
+            f"{path} is not an npuforge embedding file; re-export with --ext-embedding"
+        )
+    dtype_code = int.from_bytes(header[12:16], "little")
+    rows = int.from_bytes(header[16:24], "little")
+    cols = int.from_bytes(header[24:32], "little")
+    dtype = {1: np.float32, 2: np.float16}.get(dtype_code)
+    if dtype is None:
+        raise NpuforgeError(f"{path}: unknown dtype code {dtype_code}; re-export the embedding")
+    table = np.memmap(path, dtype=dtype, mode="r", offset=32, shape=(rows, cols))
+    return np.asarray(table[np.asarray(ids, dtype=np.int64) % rows], dtype=np.float32)
+
+
+def verification_tokens(calibration_dir, vocab_size: int, steps: int, seed: int = 0) -> list[int]:
+    """Token ids to drive the recurrent check: the calibration run's tokens when recorded."""
+    import numpy as np
+
+    if calibration_dir:
+        meta_path = Path(calibration_dir) / "calibration.json"
+        if meta_path.is_file():
+            recorded = read_json(meta_path).get("tokens") or []
+            if len(recorded) >= steps:
+                return [int(t) for t in recorded[:steps]]
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, vocab_size, size=steps)]
+
+
+def verification_feeds(decode: dict, tokens: list[int]) -> dict:
+    """Per-step arrays for chunk 0's external inputs (tokens or embedding rows)."""
+    import numpy as np
+
+    feeds = {}
+    for item in decode["graphs"][0]["inputs"]:
+        shape = list(item["shape"])
+        if item["role"] == "tokens":
+            feeds[item["name"]] = np.array(tokens, dtype=np.int64).reshape([len(tokens), *shape])
+        elif item["role"] == "embedding":
+            rows = read_embedding_rows(_embedding_path(decode), tokens)
+            feeds[item["name"]] = rows.astype(item["dtype"]).reshape([len(tokens), *shape])
+        elif item["role"] not in ("state", "hidden"):
+            raise NpuforgeError(
+                f"chunk 0 input '{item['name']}' has role '{item['role']}', which the QNN "
+                "verification cannot feed yet; verify with a tokens/embedding export"
+            )
+    return feeds
+
+
+# --------------------------------------------------------------------------- spec + result
+
+
+def _embedding_path(export: dict) -> Path:
+    embedding = export.get("embedding") or "embedding.bin"
+    if isinstance(embedding, dict):
+        embedding = embedding.get("file", "embedding.bin")
+    return Path(export["dir"]) / embedding
+
+
+def _input_ranges(export: dict, graph: dict) -> dict:
+    """Exact value ranges of inputs fed from a table: embedding rows span the table's range."""
+    import numpy as np
+
+    ranges = {}
+    for item in graph["inputs"]:
+        if item["role"] == "embedding":
+            path = _embedding_path(export)
+            rows = read_embedding_rows(path, np.arange(_embedding_rows(path)))
+            ranges[item["name"]] = [float(rows.min()), float(rows.max())]
+    return ranges
+
+
+def _embedding_rows(path) -> int:
+    with open(path, "rb") as handle:
+        return int.from_bytes(handle.read(32)[16:24], "little")
+
+
+def ctx_file(chunk: int, variant: str) -> str:
+    return f"chunk{chunk}_ctx.onnx" if variant == "decode" else f"chunk{chunk}_{variant}_ctx.onnx"
+
+
+def keep_16bit_tensors(graph: dict) -> list[str]:
+    """The recurrent state path of a chunk: every state input and output."""
+    names = [item["name"] for item in graph["inputs"] if item["role"] == "state"]
+    names += [item["name"] for item in graph["outputs"] if item["role"] == "state"]
+    return names
+
+
+def build_spec(
+    decode,
+    prefill,
+    calibration_dir,
+    target_options,
+    precision,
+    out_dir,
+    work_dir,
+    verify_steps: int,
+    feeds_path,
+) -> dict:
+    if prefill and precision in QUANTIZED:
+        raise NpuforgeError(
+            f"{precision} with a prefill export needs prefill calibration samples, "
+            "which the calibration stage does not make yet: build the quantized "
+            "precision from the decode export only"
+        )
+    chunks = []
+    for index, graph in enumerate(decode["graphs"]):
+        variants = [("decode", decode, graph)]
+        if prefill:
+            variants.append(("prefill", prefill, prefill["graphs"][index]))
+        graphs = []
+        for variant, export, meta in variants:
+            entry = {
+                "variant": variant,
+                "model": str(export["dir"] / meta["file"]),
+                "ctx_file": ctx_file(index, variant),
+                "inputs": meta["inputs"],
+            }
+            ranges = _input_ranges(export, meta)
+            if ranges:
+                entry["input_ranges"] = ranges
+            if precision in QUANTIZED:
+                entry["calibration"] = calibration_samples(calibration_dir, index)
+            graphs.append(entry)
+        chunks.append(
+            {"index": index, "graphs": graphs, "keep_16bit_tensors": keep_16bit_tensors(graph)}
+        )
+    spec = {
+        "precision": precision,
+        "soc_model": int(target_options["soc_model"]),
+        "htp_arch": int(target_options["htp_arch"]),
+        "vtcm_mb": int(target_options.get("vtcm_mb", 0)) or None,
+        "optimization_mode": int(target_options.get("optimization_level", 3)),
+        # Headroom on calibrated 16-bit activation ranges, as a fraction of each span.
+        "range_margin": float(target_options.get("range_margin", RANGE_MARGIN)),
+        "out_dir": str(Path(out_dir).resolve()),
+        "work_dir": str(Path(work_dir).resolve()),
+        "chunks": chunks,
+    }
+    if verify_steps > 0:
+        spec["verify"] = {
+            "steps": verify_steps,
+            "feeds": str(Path(feeds_path).resolve()),
+            "outputs": str((Path(work_dir) / "verify_outputs.npz").resolve()),
+            "chain": [
+                {
+                    "source": str(decode["dir"] / graph["file"]),
+                    "ctx_file": ctx_file(index, "decode"),
+                    "inputs": graph["inputs"],
+                    "outputs": graph["outputs"],
+                }
+                for index, graph in enumerate(decode["graphs"])
+            ],
+        }
+    return spec
+
+
+def verification_figures(reference, compiled) -> dict:
+    """Logits agreement over steps: cosine (worst step and mean), max |diff| / max |ref|, top-1."""
+    import numpy as np
+
+    steps = reference.shape[0]
+    ref = reference.reshape(steps, -1).astype(np.float64)
+    out = compiled.reshape(steps, -1).astype(np.float64)
+    nan_inf = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
+    if nan_inf:
+        return {
+            "steps": steps,
+            "nan_inf": nan_inf,
+            "cosine": None,
+            "cosine_mean": None,
+            "max_abs_rel": None,
+            "top1_agreement": None,
+        }
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1)
+    cosines = (ref * out).sum(axis=1) / np.where(norms == 0, 1.0, norms)
+    return {
+        "steps": steps,
+        "nan_inf": 0,
+        "cosine": round(float(cosines.min()), 7),
+        "cosine_mean": round(float(cosines.mean()), 7),
+        "max_abs_rel": round(float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30)), 7),
+        "top1_agreement": round(float((ref.argmax(axis=1) == out.argmax(axis=1)).mean()), 6),
+    }
+
+
+def _weights_shared(chunk_result: dict, variants: list[str]) -> dict:
+    binaries = chunk_result["binaries"]
+    shared = len(variants) > 1 and len(binaries) == 1
+    note = {"graphs": variants, "one_context": shared, "binary": binaries[0] if shared else None}
+    if shared:
+        note["how"] = "ONNX Runtime ep.share_ep_contexts: one QNN context, weights stored once"
+        note["simulated"] = (
+            "decode graph compiled alone from the same source and options: QAIRT 2.51's x86 "
+            "simulator cannot load a multi-graph context"
+        )
+    return note
+
+
+def _default_job_runner(stamp_path, spec_path, read_only, writable, log_path):
+    from npuforge import toolchain
+
+    return toolchain.run_job(
+        stamp_path, JOB_SCRIPT, spec_path, read_only=read_only, writable=writable, log_path=log_path
+    )
+
+
+def compile_qnn(
+    export_dirs,
+    calibration_dir,
+    target_id,
+    target_options,
+    precision,
+    toolchain_stamp,
+    out_dir,
+    *,
+    job_runner=None,
+    log_path=None,
+) -> dict:
+    """Compile every chunk for one SoC and precision; write binaries + compile.json into out_dir."""
+    import numpy as np
+
+    target_options = dict(target_options or {})
+    check_target(target_id, target_options, precision)
+    chosen = route(target_options)
+    if chosen == "sdk":
+        from npuforge.backends import qnn_sdk
+
+        return qnn_sdk.compile_sdk(
+            export_dirs,
+            calibration_dir,
+            target_id,
+            target_options,
+            precision,
+            out_dir,
+            log_path=log_path,
+        )
+    if precision in QUANTIZED and not calibration_dir:
+        raise NpuforgeError(f"{precision} needs calibration samples: pass --calibration DIR")
+    if not toolchain_stamp:
+        raise NpuforgeError(
+            "the QNN EP route needs a toolchain: "
+            "pass --toolchain results/toolchains/qnn-<runtime>.json"
+        )
+    decode, prefill = split_exports(export_dirs)
+    stamp = read_json(toolchain_stamp)
+    verify_steps = int(target_options.get("verify_steps", 32))
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.work-", dir=out_dir.parent))
+    try:
+        with atomic_path(out_dir) as staging:
+            staging.mkdir()
+            tokens = verification_tokens(calibration_dir, int(decode["vocab_size"]), verify_steps)
+            feeds_path = work_dir / "verify_feeds.npz"
+            np.savez(feeds_path, **verification_feeds(decode, tokens))
+            spec = build_spec(
+                decode,
+                prefill,
+                calibration_dir,
+                target_options,
+                precision,
+                staging,
+                work_dir,
+                verify_steps,
+                feeds_path,
+            )
+            spec_path = work_dir / "spec.json"
+            write_json(spec_path, spec)
+            read_only = [decode["dir"]] + ([prefill["dir"]] if prefill else [])
+            if calibration_dir:
+                read_only.append(Path(calibration_dir).resolve())
+            runner = job_runner or _default_job_runner
+            runner(toolchain_stamp, spec_path, read_only, [staging.resolve(), work_dir], log_path)
+            result = read_json(work_dir / "result.json")
+            manifest = _manifest(
+                target_id,
+                target_options,
+                precision,
+                decode,
+                prefill,
+                stamp,
+                spec,
+                result,
+                staging,
+                work_dir,
+            )
+            write_json(staging / "compile.json", manifest)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return manifest
+
+
+def _manifest(
+    target_id, target_options, precision, decode, prefill, stamp, spec, result, staging, work_dir
+) -> dict:
+    import numpy as np
+
+    variants = ["decode"] + (["prefill"] if prefill else [])
+    artifacts, chunk_notes, qairt = [], [], set()
+    for chunk in result["chunks"]:
+        index = chunk["index"]
+        for binary in chunk["binaries"]:
+            artifacts.append(
+                {
+                    "file": binary,
+                    "sha256": sha256_file(staging / binary),
+                    "role": "binary",
+                    "chunk": index,
+                    "bytes": (staging / binary).stat().st_size,
+                }
+            )
+        for variant in variants:
+            name = ctx_file(index, variant)
+            artifacts.append(
+                {
+                    "file": name,
+                    "sha256": sha256_file(staging / name),
+                    "role": "ep_context",
+                    "chunk": index,
+                    "variant": variant,
+                }
+            )
+        qairt.update(v for v in chunk["qairt"].values() if v)
+        chunk_notes.append(
+            {
+                "chunk": index,
+                "context_seconds": chunk["context_seconds"],
+                "weight_sharing": _weights_shared(chunk, variants),
+                "quantization": {
+                    variant: {k: v for k, v in info.items() if k not in ("qdq_model", "source")}
+                    for variant, info in chunk["quantization"].items()
+                },
+            }
+        )
+    if len(qairt) != 1:
+        raise NpuforgeError(
+            f"expected one QAIRT version in the produced binaries, found {sorted(qairt) or 'none'}"
+        )
+    qairt_version = qairt.pop()
+    verification = None
+    if "verification" in result:
+        outputs = dict(np.load(result["verification"]["outputs"]))
+        logits = [name[len("reference/") :] for name in outputs if name.startswith("reference/")]
+        if not logits:
+            raise NpuforgeError(
+                "the simulator run produced no logits to compare; check the export's output roles"
+            )
+        figures = verification_figures(
+            outputs[f"reference/{logits[0]}"], outputs[f"compiled/{logits[0]}"]
+        )
+        floor = float(target_options.get("min_cosine", MIN_COSINE[precision]))
+        verification = {
+            **figures,
+            "reference": "onnxruntime CPU on the fp32 source graphs",
+            "runner": "QNN HTP x86 simulator (onnxruntime-qnn)",
+            "simulator_seconds": result["verification"]["simulator_seconds"],
+            "min_cosine": floor,
+            "passed": figures["nan_inf"] == 0 and figures["cosine"] >= floor,
+        }
+        if not verification["passed"]:
+            raise NpuforgeError(
+                f"{target_id} {precision}: simulator check failed over {figures['steps']} steps "
+                f"(cosine {figures['cosine']}, NaN/Inf {figures['nan_inf']}, floor {floor}); "
+                "keep more tensors at 16 bit or use fp16"
+            )
+    versions = dict(stamp.get("versions", {}))
+    arch = int(target_options["htp_arch"])
+    return {
+        "backend": BACKEND,
+        "target": target_id,
+        "precision": precision,
+        "route": "ep",
+        "artifacts": artifacts,
+        "split": {
+            "chunks": len(result["chunks"]),
+            "reason": (
+                "export chunks; plan_chunks keeps each HTP context under "
+                f"{CONTEXT_WEIGHT_BUDGET} bytes of weights"
+            ),
+        },
+        "toolchain": {"runtime": stamp.get("runtime"), "versions": versions},
+        "qairt": {
+            "version": qairt_version,
+            "source": "read from the produced context binaries",
+            "device_runtime": DEVICE_RUNTIME_NOTE.format(
+                version=qairt_version, arch=arch, ort_qnn=versions.get("onnxruntime-qnn", "?")
+            ),
+        },
+        "verification": verification,
+        "options": {
+            "soc_model": spec["soc_model"],
+            "htp_arch": spec["htp_arch"],
+            "vtcm_mb": spec["vtcm_mb"],
+            "range_margin": spec["range_margin"] if precision in QUANTIZED else None,
+            "provider_options": result["provider_options"],
+            "graphs": variants,
+            "export": {
+                "variant": decode.get("variant"),
+                "dtype": decode.get("dtype"),
+                "options": decode.get("options", {}),
+            },
+            "chunks": chunk_notes,
+        },
+    }

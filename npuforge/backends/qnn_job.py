@@ -1,0 +1,518 @@
+"""Qualcomm HTP compile job: runs inside the QNN toolchain environment.
+
+    python qnn_job.py <spec.json>
+
+Uses only the standard library, numpy, onnx, onnxruntime and the onnxruntime-qnn
+plugin (QAIRT host libraries). It never imports npuforge: everything it needs is
+in the spec (absolute paths), written by ``npuforge.backends.qnn``.
+
+Per graph chunk it
+  1. for a16w8/a16w4: quantizes the fp32 graph to a QDQ model with the samples
+     named in the spec, keeping numerically sensitive tensors at 16 bit;
+  2. creates an ONNX Runtime session with the QNN EP in EP-context mode, which
+     compiles the graph into a QNN HTP context binary for the spec's SoC and
+     writes ``<name>_ctx.onnx`` + ``<name>_ctx_qnn.bin``; a prefill graph of the
+     same chunk joins the decode graph's context (ep.share_ep_contexts);
+  3. optionally runs the produced ``_ctx.onnx`` chain on the x86 HTP simulator
+     next to onnxruntime CPU on the fp32 source graphs, step by step, and saves
+     both outputs for the caller to compare.
+Finally it writes ``result.json`` into the spec's work directory.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EP_NAME = "QNNExecutionProvider"
+# Op types whose float initializers stay 16 bit: normalisations divide by a
+# variance that 8-/4-bit parameters distort (seed 001 keeps them in fp16).
+NORM_OP_TYPES = ("LayerNormalization", "GroupNormalization", "InstanceNormalization", "RMSNorm")
+# Ops whose second input is a large weight matrix: the only tensors that get the
+# low weight bit width.
+MATMUL_OP_TYPES = ("MatMul", "Gemm", "Conv")
+QAIRT_PATTERN = re.compile(rb"v(\d+\.\d+\.\d+)\.(\d{6,})")
+
+
+def log(message: str) -> None:
+    print(f"[qnn_job] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------- QNN EP
+
+
+def register_qnn():
+    """Register the onnxruntime-qnn plugin once; return (onnxruntime, devices, htp_library)."""
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    try:
+        ort.register_execution_provider_library(EP_NAME, onnxruntime_qnn.get_library_path())
+    except Exception as err:  # registering twice in one process is harmless
+        if "already registered" not in str(err).lower():
+            raise
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
+    if not devices:
+        raise RuntimeError("error: the QNN execution provider exposes no device")
+    return ort, devices, onnxruntime_qnn.get_qnn_htp_path()
+
+
+def provider_options(spec: dict, htp_library: str) -> dict:
+    options = {
+        "backend_path": htp_library,
+        "soc_model": str(spec["soc_model"]),
+        "htp_arch": str(spec["htp_arch"]),
+        "htp_graph_finalization_optimization_mode": str(spec.get("optimization_mode", 3)),
+    }
+    if spec.get("vtcm_mb"):
+        options["vtcm_mb"] = str(spec["vtcm_mb"])
+    if spec["precision"] == "fp16":
+        options["enable_htp_fp16_precision"] = "1"
+    options.update({k: str(v) for k, v in spec.get("extra_provider_options", {}).items()})
+    return options
+
+
+def _load_model_bytes(path: str, session_options) -> bytes:
+    # Loading from bytes keeps the source path out of the EP's partition hash,
+    # which is compiled into the binary: the same graph gives the same binary
+    # wherever the build directory is.
+    session_options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(Path(path).parent)
+    )
+    return Path(path).read_bytes()
+
+
+def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) -> None:
+    """Compile each (source, ctx_path) in order; with ``share`` they form one context."""
+    for position, (source, ctx_path) in enumerate(graphs):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", str(ctx_path))
+        so.add_session_config_entry("ep.context_embed_mode", "0")
+        # A graph the HTP cannot take whole must fail here, not run half on the CPU.
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if share:
+            so.add_session_config_entry("ep.share_ep_contexts", "1")
+            if position == len(graphs) - 1:
+                so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+        so.add_provider_for_devices(devices, options)
+        model = _load_model_bytes(source, so)
+        started = time.monotonic()
+        ort.InferenceSession(model, so)
+        log(
+            f"context for {Path(source).name} -> {Path(ctx_path).name} "
+            f"in {time.monotonic() - started:.1f} s"
+        )
+
+
+def simulator_session(ort, devices, options: dict, ctx_path: str):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    so.add_provider_for_devices(devices, options)
+    return ort.InferenceSession(str(ctx_path), so)
+
+
+def cpu_session(ort, path: str):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _raw_reader(samples: list, inputs: list):
+    """A CalibrationDataReader over raw files: one dict {input name: path} per sample."""
+    import numpy as np
+
+    specs = {item["name"]: item for item in inputs}
+
+    class RawReader:
+        def __init__(self):
+            self._iter = iter(samples)
+
+        def get_next(self):
+            sample = next(self._iter, None)
+            if sample is None:
+                return None
+            feed = {}
+            for name, path in sample.items():
+                item = specs[name]
+                data = np.fromfile(path, dtype=np.dtype(item["dtype"]))
+                feed[name] = data.reshape(item["shape"])
+            return feed
+
+        def rewind(self):
+            self._iter = iter(samples)
+
+    return RawReader()
+
+
+def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_override=None):
+    """Tensor overrides that keep norms, elementwise constants and named tensors at 16 bit.
+
+    Only the weight matrices of MatMul/Gemm/Conv take the low weight bit width
+    (``weight_override``, e.g. per output channel, when given); every other
+    float initializer (norm scales, decay/mix vectors) and every tensor named in
+    ``keep_16bit_tensors`` (the recurrent state path) is 16-bit.
+    """
+    import onnx
+
+    float_inits = {
+        init.name
+        for init in model.graph.initializer
+        if init.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    }
+    matmul_weights = set()
+    norm_params = set()
+    for node in model.graph.node:
+        if node.op_type in MATMUL_OP_TYPES and len(node.input) > 1:
+            matmul_weights.add(node.input[1])
+        if node.op_type in NORM_OP_TYPES:
+            norm_params.update(node.input[1:])
+    overrides = {}
+    for name in sorted(float_inits - matmul_weights):
+        overrides[name] = [{"quant_type": quant_type_16}]
+    if weight_override is not None:
+        for name in sorted(float_inits & matmul_weights):
+            overrides[name] = [dict(weight_override)]
+    graph_tensors = {v.name for v in model.graph.input} | {v.name for v in model.graph.output}
+    for node in model.graph.node:
+        graph_tensors.update(node.output)
+    for name in sorted(set(keep_16bit_tensors) & graph_tensors):
+        overrides.setdefault(name, [{"quant_type": quant_type_16}])
+    kept_norms = sorted(norm_params & float_inits)
+    return overrides, kept_norms
+
+
+def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float, work: Path):
+    """Min/max of every activation over the samples, widened by ``margin`` of its span.
+
+    A few calibration samples rarely reach a recurrent model's extremes; at 16
+    bits, giving up a fraction of a bit of resolution for headroom costs far
+    less than clipping the steps the samples did not see.
+    """
+    import numpy as np
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    calibrator = create_calibrator(
+        model_path,
+        augmented_model_path=str(work / "augmented.onnx"),
+        calibrate_method=CalibrationMethod.MinMax,
+        use_external_data_format=True,
+        providers=["CPUExecutionProvider"],
+    )
+    calibrator.collect_data(_raw_reader(samples, inputs))
+    ranges = {}
+    for name, data in calibrator.compute_data().data.items():
+        rmin, rmax = data.range_value
+        rmin, rmax = float(np.min(rmin)), float(np.max(rmax))
+        span = max(rmax - rmin, 1e-6)
+        ranges[name] = {
+            "rmin": np.float32(rmin - margin * span),
+            "rmax": np.float32(rmax + margin * span),
+        }
+    calibrator.clear_collected_data()
+    return ranges
+
+
+def quantize_graph(
+    source: str,
+    target: str,
+    precision: str,
+    samples: list,
+    inputs: list,
+    keep_16bit_tensors: list,
+    input_ranges: dict | None = None,
+    range_margin: float = 0.0,
+) -> dict:
+    """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4)."""
+    import numpy as np
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import (
+        get_qnn_qdq_config,
+        qnn_preprocess_model,
+    )
+
+    # The preprocessor and quantizer leave external-data files beside their
+    # outputs: give them a directory of their own.
+    work = Path(target).parent
+    work.mkdir(parents=True, exist_ok=True)
+    preprocessed = work / "preprocessed.onnx"
+    # Fuses decomposed LayerNorm/GELU etc. into ops the HTP runs natively.
+    changed = qnn_preprocess_model(
+        source,
+        str(preprocessed),
+        save_as_external_data=True,
+        external_data_location=preprocessed.name + ".data",
+    )
+    model_path = str(preprocessed) if changed else source
+    model = onnx.load(model_path, load_external_data=False)
+    weight_type = {"a16w8": QuantType.QInt8, "a16w4": QuantType.QInt4}[precision]
+    # Weight matrices [in, out] quantized per output column, symmetric: the HTP's
+    # per-channel scheme, and what keeps 8- and 4-bit errors near each column's range.
+    per_column = {"quant_type": weight_type, "axis": 1, "symmetric": True}
+    overrides, kept_norms = sensitive_overrides(
+        model, keep_16bit_tensors, QuantType.QUInt16, weight_override=per_column
+    )
+    if range_margin:
+        for name, bounds in _widened_ranges(
+            model_path, samples, inputs, range_margin, work
+        ).items():
+            overrides.setdefault(name, [{"quant_type": QuantType.QUInt16, **bounds}])
+    # An input known to span a fixed range (embedding rows come from one table)
+    # is encoded over all of it, not over the few rows the samples happened to hit.
+    for name, (rmin, rmax) in sorted((input_ranges or {}).items()):
+        bounds = {"rmin": np.float32(rmin), "rmax": np.float32(rmax)}
+        overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
+    config = get_qnn_qdq_config(
+        model_path,
+        _raw_reader(samples, inputs),
+        activation_type=QuantType.QUInt16,
+        weight_type=weight_type,
+        per_channel=True,
+        init_overrides=overrides,
+        weight_symmetric=True,
+    )
+    config.use_external_data_format = True
+    quantize(model_path, target, config)
+    return {
+        "source": source,
+        "qdq_model": target,
+        "preprocessed": bool(changed),
+        "activation_type": "uint16",
+        "weight_type": "int8" if precision == "a16w8" else "int4",
+        "weight_granularity": "per output channel, symmetric",
+        "samples": len(samples),
+        "kept_16bit": sorted(
+            k for k, v in overrides.items() if v[0]["quant_type"] == QuantType.QUInt16
+        ),
+        "norm_parameters_kept_16bit": kept_norms,
+    }
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def run_chain(sessions: list, chain: list, feeds: dict, steps: int) -> dict:
+    """Run a chunked recurrent graph chain for ``steps`` calls.
+
+    ``chain[i]`` lists chunk i's inputs ({name, role, output?, shape, dtype});
+    roles: state (fed from the named output of the previous call, zeros first),
+    hidden (the previous chunk's output of the same stem: ``hidden_in`` <-
+    ``hidden_out``, ``v_first_in`` <- ``v_first_out``), anything else comes from
+    ``feeds[name][step]``. Returns every non-state, non-hidden output per step.
+    """
+    import numpy as np
+
+    state = {}
+    collected = {}
+    for step in range(steps):
+        hidden = {}
+        for session, chunk in zip(sessions, chain, strict=True):
+            feed = {}
+            for item in chunk["inputs"]:
+                name, role = item["name"], item["role"]
+                if role == "state":
+                    default = np.zeros(item["shape"], dtype=np.dtype(item["dtype"]))
+                    feed[name] = state.get(name, default)
+                elif role == "hidden":
+                    stem = name[: -len("_in")] if name.endswith("_in") else name
+                    feed[name] = hidden[f"{stem}_out"]
+                else:
+                    feed[name] = feeds[name][step]
+            names = [out["name"] for out in chunk["outputs"]]
+            values = dict(zip(names, session.run(names, feed), strict=True))
+            for item in chunk["inputs"]:
+                if item["role"] == "state":
+                    state[item["name"]] = values[item["output"]]
+            hidden = {}
+            for out in chunk["outputs"]:
+                if out["role"] == "hidden":
+                    hidden[out["name"]] = values[out["name"]]
+                elif out["role"] != "state":
+                    collected.setdefault(out["name"], []).append(values[out["name"]])
+    return {name: np.stack(arrays) for name, arrays in collected.items()}
+
+
+# --------------------------------------------------------------------------- binary facts
+
+
+def qairt_version(binary_path: str) -> str | None:
+    """The QAIRT build recorded inside a QNN context binary (e.g. '2.51.0.260929181845')."""
+    with open(binary_path, "rb") as handle:
+        head = handle.read(1 << 20)
+    match = QAIRT_PATTERN.search(head)
+    return f"{match.group(1).decode()}.{match.group(2).decode()}" if match else None
+
+
+def describe_ctx(ctx_path: str) -> dict:
+    import onnx
+
+    model = onnx.load(str(ctx_path), load_external_data=False)
+    nodes = list(model.graph.node)
+    attrs = {}
+    for node in nodes:
+        if node.op_type == "EPContext":
+            for attr in node.attribute:
+                if attr.name in ("ep_cache_context", "ep_sdk_version", "partition_name"):
+                    attrs.setdefault(attr.name, []).append(attr.s.decode())
+    return {
+        "nodes": len(nodes),
+        "epcontext_nodes": sum(node.op_type == "EPContext" for node in nodes),
+        "other_nodes": sorted({node.op_type for node in nodes if node.op_type != "EPContext"}),
+        "binaries": sorted(set(attrs.get("ep_cache_context", []))),
+        "ep_sdk_version": sorted(set(attrs.get("ep_sdk_version", []))),
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def compile_chunk(spec: dict, chunk: dict) -> dict:
+    """Quantize (if asked) and compile one chunk's graphs into one HTP context."""
+    ort, devices, htp_library = register_qnn()
+    options = provider_options(spec, htp_library)
+    out_dir = Path(spec["out_dir"])
+    work_dir = Path(spec["work_dir"])
+    precision = spec["precision"]
+    index = chunk["index"]
+    compiled = []
+    quantization = {}
+    for graph in chunk["graphs"]:
+        source = graph["model"]
+        if precision != "fp16":
+            qdq = work_dir / f"chunk{index}_{graph['variant']}" / "qdq.onnx"
+            started = time.monotonic()
+            quantization[graph["variant"]] = quantize_graph(
+                source,
+                str(qdq),
+                precision,
+                graph["calibration"],
+                graph["inputs"],
+                chunk.get("keep_16bit_tensors", []),
+                graph.get("input_ranges"),
+                float(spec.get("range_margin", 0.0)),
+            )
+            log(f"quantized chunk {index} {graph['variant']} in {time.monotonic() - started:.1f} s")
+            source = str(qdq)
+        compiled.append((source, out_dir / graph["ctx_file"]))
+    started = time.monotonic()
+    generate_contexts(ort, devices, options, compiled, share=len(compiled) > 1)
+    seconds = time.monotonic() - started
+    ctx = {graph["variant"]: describe_ctx(out_dir / graph["ctx_file"]) for graph in chunk["graphs"]}
+    binaries = sorted({b for info in ctx.values() for b in info["binaries"]})
+    for variant, info in ctx.items():
+        if info["epcontext_nodes"] == 0 or info["other_nodes"]:
+            raise RuntimeError(
+                f"error: chunk {index} {variant} did not compile whole into the HTP context "
+                f"(left on the CPU: {info['other_nodes']})"
+            )
+    twin = None
+    if len(compiled) > 1:
+        # QAIRT 2.51's x86 simulator cannot load a multi-graph (weight-shared)
+        # context, so the decode graph is also compiled alone, from the same
+        # source and options, for the simulator check; it is not shipped.
+        twin = work_dir / "simulate" / f"chunk{index}_ctx.onnx"
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        generate_contexts(ort, devices, options, [(compiled[0][0], twin)], share=False)
+    return {
+        "index": index,
+        "context_seconds": round(seconds, 3),
+        "binaries": binaries,
+        "qairt": {b: qairt_version(out_dir / b) for b in binaries},
+        "ctx": ctx,
+        "quantization": quantization,
+        "simulate_ctx": str(twin) if twin else None,
+    }
+
+
+def compile_chunks(spec: dict, spec_path: str) -> dict:
+    """Compile every chunk, each in a fresh process.
+
+    The HTP compiler leaves padding bytes of a context uninitialised; in a fresh
+    process with glibc's MALLOC_PERTURB_ set they hold the same bytes every
+    run, which makes the binaries reproducible (a second compile in the same
+    process picks up heap left by the first).
+    """
+    Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
+    work_dir = Path(spec["work_dir"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MALLOC_PERTURB_=os.environ.get("MALLOC_PERTURB_") or "85")
+    chunks = []
+    for chunk in spec["chunks"]:
+        out = work_dir / f"chunk{chunk['index']}_result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), str(spec_path), "--chunk"]
+        run = subprocess.run(command + [str(chunk["index"])], env=env)
+        if run.returncode != 0:
+            raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
+        chunks.append(json.loads(out.read_text()))
+    _, _, htp_library = register_qnn()
+    options = provider_options(spec, htp_library)
+    return {
+        "provider_options": {k: v for k, v in options.items() if k != "backend_path"},
+        "chunks": chunks,
+    }
+
+
+def verify(spec: dict, result: dict) -> dict:
+    import numpy as np
+
+    verify_spec = spec["verify"]
+    ort, devices, htp_library = register_qnn()
+    options = provider_options(spec, htp_library)
+    out_dir = Path(spec["out_dir"])
+    chain = verify_spec["chain"]
+    feeds = dict(np.load(verify_spec["feeds"]))
+    steps = int(verify_spec["steps"])
+    reference = [cpu_session(ort, chunk["source"]) for chunk in chain]
+    ref_out = run_chain(reference, chain, feeds, steps)
+    del reference
+    started = time.monotonic()
+    twins = {chunk["index"]: chunk.get("simulate_ctx") for chunk in result["chunks"]}
+    compiled = [
+        simulator_session(ort, devices, options, twins.get(i) or out_dir / chunk["ctx_file"])
+        for i, chunk in enumerate(chain)
+    ]
+    sim_out = run_chain(compiled, chain, feeds, steps)
+    seconds = time.monotonic() - started
+    arrays = {f"reference/{k}": v for k, v in ref_out.items()}
+    arrays.update({f"compiled/{k}": v.astype(np.float32) for k, v in sim_out.items()})
+    np.savez(verify_spec["outputs"], **arrays)
+    log(f"simulated {steps} steps in {seconds:.1f} s")
+    return {
+        "steps": steps,
+        "simulator_seconds": round(seconds, 3),
+        "outputs": verify_spec["outputs"],
+    }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--chunk"):
+        print("usage: qnn_job.py <spec.json> [--chunk N]", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    if len(argv) == 3:
+        chunk = next(c for c in spec["chunks"] if c["index"] == int(argv[2]))
+        result = compile_chunk(spec, chunk)
+        out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_result.json"
+        out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        return 0
+    result = compile_chunks(spec, argv[0])
+    if spec.get("verify"):
+        result["verification"] = verify(spec, result)
+    result_path = Path(spec["work_dir"]) / "result.json"
+    result_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    log(f"wrote {result_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Qualcomm HTP backend: capability rules, spec building, and real EP-route compiles.
+
+The compile tests run the real QNN HTP compiler and x86 simulator from
+onnxruntime-qnn (the toolchain from envs/qnn/, built once per lock into
+results/toolchains/) on a tiny 2-chunk RWKV-shaped graph.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import qnn_fixtures
+import yaml
+from conftest import script_env
+
+from npuforge.backends import qnn, qnn_job
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+SM8650 = {"htp_arch": 75, "soc_model": 57, "vtcm_mb": 8, "verify_steps": 32}
+SM8550 = {"htp_arch": 73, "soc_model": 43, "vtcm_mb": 8, "verify_steps": 32}
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_plan_chunks_keeps_each_context_under_budget():
+    assert qnn.plan_chunks(450_000_000, "fp16") == 1  # 0.9 GB of fp16 weights
+    assert qnn.plan_chunks(1_600_000_000, "fp16") == 3  # 3.2 GB
+    assert qnn.plan_chunks(1_600_000_000, "a16w8") == 2
+    assert qnn.plan_chunks(1_600_000_000, "a16w4") == 1
+    assert qnn.plan_chunks(7_000_000_000, "a16w4") == 3
+    assert qnn.plan_chunks(10, "fp16") == 1
+    for n_params in (1e8, 1.6e9, 7e9):
+        for precision in qnn.PRECISIONS:
+            chunks = qnn.plan_chunks(int(n_params), precision)
+            per_chunk = n_params * qnn.BYTES_PER_PARAM[precision] / chunks
+            assert per_chunk <= qnn.CONTEXT_WEIGHT_BUDGET < 2 * 1024**3
+    with pytest.raises(NpuforgeError):
+        qnn.plan_chunks(10, "int8")
+
+
+def test_v68_refuses_fp16_in_one_line_naming_soc_and_support():
+    problem = qnn.precision_problem("SM8350", {"htp_arch": 68, "soc_model": 30}, "fp16")
+    assert problem is not None and "\n" not in problem
+    assert "SM8350" in problem and "v68" in problem and "a16w8" in problem
+    assert qnn.precision_problem("SM8350", {"htp_arch": 68}, "a16w8") is None
+    assert "v73" in qnn.precision_problem("SM8475", {"htp_arch": 69}, "a16w4")
+    assert qnn.precision_problem("SM8650", SM8650, "a16w4") is None
+    assert qnn.supported_precisions(68) == ["a16w8"]
+    assert qnn.supported_precisions(69) == ["fp16", "a16w8"]
+    assert qnn.supported_precisions(79) == ["fp16", "a16w8", "a16w4"]
+
+
+def test_registry_qnn_targets_match_the_sdk_soc_table_and_htp_capabilities():
+    targets = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+    qnn_targets = {k: v for k, v in targets.items() if v["backend"] == "qnn"}
+    assert {"SM8650", "SM8550", "SM8750", "SC8380", "SM8475", "SM8350"} <= set(qnn_targets)
+    for target_id, target in qnn_targets.items():
+        options = target["options"]
+        assert (options["soc_model"], options["htp_arch"]) == qnn.SOC_MODELS[target_id]
+        allowed = qnn.supported_precisions(options["htp_arch"])
+        assert set(target["precisions"]) <= set(allowed), target_id
+
+
+def test_check_target_rejects_a_wrong_soc_model():
+    with pytest.raises(NpuforgeError, match="43/73"):
+        qnn.check_target("SM8550", {"htp_arch": 73, "soc_model": 57}, "fp16")
+
+
+def test_unavailable_reason_ep_route_here_and_sdk_route_without_sdk(monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.delenv(qnn.ROUTE_ENV, raising=False)
+    assert qnn.unavailable_reason("native", SM8650) is None
+    reason = qnn.unavailable_reason("native", {**SM8650, "route": "sdk"})
+    assert reason and "QNN_SDK_ROOT" in reason and "\n" not in reason
+    monkeypatch.setenv(qnn.ROUTE_ENV, "sdk")
+    assert "QNN_SDK_ROOT" in qnn.unavailable_reason("native", SM8650)
+    monkeypatch.setenv(qnn.ROUTE_ENV, "cloud")
+    assert "unknown QNN route" in qnn.unavailable_reason("native", SM8650)
+
+
+def test_verification_figures():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((32, 1, 1, 50)).astype(np.float32)
+    same = qnn.verification_figures(ref, ref.copy())
+    assert same["cosine"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
+    assert same["max_abs_rel"] == 0.0 and same["steps"] == 32
+    noisy = ref + 0.1 * rng.standard_normal(ref.shape).astype(np.float32)
+    figures = qnn.verification_figures(ref, noisy)
+    assert 0.98 < figures["cosine"] < 0.999
+    flipped = qnn.verification_figures(ref, -ref)
+    assert flipped["cosine"] == pytest.approx(-1.0) and flipped["top1_agreement"] < 0.2
+    broken = ref.copy()
+    broken[3, 0, 0, 7] = np.nan
+    assert qnn.verification_figures(ref, broken)["nan_inf"] == 1
+
+
+def test_calibration_listing_and_embedding_rows(tmp_path):
+    chunk = tmp_path / "qnn" / "chunk1"
+    chunk.mkdir(parents=True)
+    (chunk / "input_list.txt").write_text(
+        "hidden_in:=a.raw state:=/abs/b.raw\n\nhidden_in:=c.raw\n"
+    )
+    samples = qnn.calibration_samples(tmp_path, 1)
+    assert samples[0] == {"hidden_in": str(chunk / "a.raw"), "state": "/abs/b.raw"}
+    assert len(samples) == 2
+    with pytest.raises(NpuforgeError, match="make_calibration_samples"):
+        qnn.calibration_samples(tmp_path, 0)
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    qnn_fixtures.write_embedding(tmp_path / "embedding.bin", table)
+    rows = qnn.read_embedding_rows(tmp_path / "embedding.bin", [2, 0, 6])
+    np.testing.assert_array_equal(rows, table[[2, 0, 2]])
+
+
+def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
+    import onnx
+
+    export = qnn_fixtures.make_export(tmp_path / "export", chunks=2)
+    model = onnx.load(export / "chunk1.onnx")
+    overrides, norms = qnn_job.sensitive_overrides(
+        model, ["state_1_wkv", "state_1_wkv_out", "not_in_graph"], "U16"
+    )
+    assert norms == ["ln1_b", "ln1_w", "ln_out_b", "ln_out_w"]
+    assert {"decay1", "ln1_w", "state_1_wkv", "state_1_wkv_out"} <= set(overrides)
+    assert not {"wk1", "wo1", "head", "not_in_graph"} & set(overrides)
+    assert all(value == [{"quant_type": "U16"}] for value in overrides.values())
+
+
+def test_spec_roles_and_ctx_names(tmp_path):
+    decode_dir = qnn_fixtures.make_export(tmp_path / "decode", chunks=2)
+    prefill_dir = qnn_fixtures.make_export(
+        tmp_path / "prefill", chunks=2, variant="prefill", tokens=4
+    )
+    decode, prefill = qnn.split_exports([prefill_dir, decode_dir])
+    assert decode["variant"] == "decode" and prefill["variant"] == "prefill"
+    spec = qnn.build_spec(
+        decode,
+        prefill,
+        None,
+        SM8650,
+        "fp16",
+        tmp_path / "o",
+        tmp_path / "w",
+        32,
+        tmp_path / "feeds.npz",
+    )
+    assert spec["soc_model"] == 57 and spec["htp_arch"] == 75
+    files = [[g["ctx_file"] for g in chunk["graphs"]] for chunk in spec["chunks"]]
+    assert files == [
+        ["chunk0_ctx.onnx", "chunk0_prefill_ctx.onnx"],
+        ["chunk1_ctx.onnx", "chunk1_prefill_ctx.onnx"],
+    ]
+    assert spec["chunks"][1]["keep_16bit_tensors"] == ["state_1_wkv", "state_1_wkv_out"]
+    assert spec["verify"]["steps"] == 32 and len(spec["verify"]["chain"]) == 2
+    with pytest.raises(NpuforgeError, match="prefill calibration"):
+        qnn.build_spec(
+            decode,
+            prefill,
+            tmp_path,
+            SM8650,
+            "a16w8",
+            tmp_path / "o",
+            tmp_path / "w",
+            0,
+            tmp_path / "f",
+        )
+    with pytest.raises(NpuforgeError, match="no decode export"):
+        qnn.split_exports([prefill_dir])
+
+
+def test_cli_refuses_fp16_on_v68_before_any_job(tmp_path):
+    export = qnn_fixtures.make_export(tmp_path / "export", chunks=1)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "workflow_scripts" / "compile_qnn.py"),
+            "--export",
+            str(export),
+            "--target",
+            "SM8350",
+            "--target-options",
+            json.dumps({"htp_arch": 68, "soc_model": 30}),
+            "--precision",
+            "fp16",
+            "--toolchain",
+            str(tmp_path / "missing.json"),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=script_env(),
+    )
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "SM8350" in run.stderr and "a16w8" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- real compiles
+
+
+@pytest.fixture(scope="module")
+def qnn_stamp():
+    from npuforge import toolchain
+
+    reason = toolchain.unavailable_reason("qnn", "native", SM8650)
+    if reason:
+        pytest.skip(f"QNN EP toolchain unavailable here: {reason}")
+    stamp = REPO / "results" / "toolchains" / "qnn-native.json"
+    try:
+        toolchain.prepare("qnn", "native", stamp)
+    except NpuforgeError as err:
+        pytest.skip(f"could not build the QNN toolchain from envs/qnn/requirements.lock: {err}")
+    return stamp
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qnn")
+    export = qnn_fixtures.make_export(root / "export", chunks=2)
+    calibration = qnn_fixtures.make_calibration(export, root / "calibration")
+    return {"root": root, "export": export, "calibration": calibration}
+
+
+def _compile(workspace, stamp, name, options, precision, prefill=None):
+    exports = [workspace["export"]] + ([prefill] if prefill else [])
+    calibration = workspace["calibration"] if precision in qnn.QUANTIZED else None
+    out = workspace["root"] / name
+    manifest = qnn.compile_qnn(
+        exports, calibration, name.split("-")[0], options, precision, stamp, out
+    )
+    assert json.loads((out / "compile.json").read_text()) == manifest
+    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def sm8650_fp16(qnn_stamp, workspace):
+    return _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
+
+
+@pytest.mark.toolchain
+def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
+    out, manifest = sm8650_fp16
+    assert manifest["backend"] == "qnn" and manifest["target"] == "SM8650"
+    binaries = [a for a in manifest["artifacts"] if a["role"] == "binary"]
+    contexts = [a for a in manifest["artifacts"] if a["role"] == "ep_context"]
+    assert [a["file"] for a in binaries] == ["chunk0_ctx_qnn.bin", "chunk1_ctx_qnn.bin"]
+    assert [a["file"] for a in contexts] == ["chunk0_ctx.onnx", "chunk1_ctx.onnx"]
+    for artifact in manifest["artifacts"]:
+        assert sha256_file(out / artifact["file"]) == artifact["sha256"]
+    assert manifest["qairt"]["version"].startswith("2.51.0.")
+    assert manifest["qairt"]["version"].encode() in (out / "chunk0_ctx_qnn.bin").read_bytes()
+    assert manifest["toolchain"]["versions"]["onnxruntime-qnn"] == "2.7.0"
+    figures = manifest["verification"]
+    assert figures["steps"] == 32 and figures["nan_inf"] == 0
+    assert figures["cosine"] >= 0.9999 and figures["top1_agreement"] == 1.0
+    assert figures["passed"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["compile.json"] + [a["file"] for a in manifest["artifacts"]]
+    )
+
+
+@pytest.mark.toolchain
+@pytest.mark.xfail(
+    strict=False,
+    reason="QAIRT 2.51's HTP compiler leaves one 64-byte span of some contexts unstable: about "
+    "1 compile in 5 of chunk1 differs there, even in a fresh process with MALLOC_PERTURB_ set",
+)
+def test_rebuild_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+    first, manifest = sm8650_fp16
+    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16-again", SM8650, "fp16")
+    for artifact in manifest["artifacts"]:
+        assert (first / artifact["file"]).read_bytes() == (again / artifact["file"]).read_bytes()
+
+
+@pytest.mark.toolchain
+def test_each_soc_gets_its_own_verified_binary(sm8650_fp16, qnn_stamp, workspace):
+    first, manifest = sm8650_fp16
+    other, sm8550 = _compile(workspace, qnn_stamp, "SM8550-fp16", SM8550, "fp16")
+    assert sm8550["verification"]["cosine"] >= 0.9999
+    shas = {a["sha256"] for a in manifest["artifacts"] if a["role"] == "binary"}
+    assert not shas & {a["sha256"] for a in sm8550["artifacts"] if a["role"] == "binary"}
+
+
+@pytest.mark.toolchain
+def test_a16w8_qdq_compile_is_smaller_and_verified(sm8650_fp16, qnn_stamp, workspace):
+    out, manifest = _compile(workspace, qnn_stamp, "SM8650-a16w8", SM8650, "a16w8")
+    figures = manifest["verification"]
+    assert figures["steps"] == 32 and figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
+    chunk = manifest["options"]["chunks"][1]["quantization"]["decode"]
+    assert chunk["weight_type"] == "int8" and chunk["activation_type"] == "uint16"
+    assert {"ln1_w", "decay1", "state_1_wkv"} <= set(chunk["kept_16bit"])
+    fp16_bytes = sum(a["bytes"] for a in sm8650_fp16[1]["artifacts"] if a["role"] == "binary")
+    q_bytes = sum(a["bytes"] for a in manifest["artifacts"] if a["role"] == "binary")
+    assert q_bytes < fp16_bytes
+
+
+@pytest.mark.toolchain
+def test_prefill_and_decode_share_one_context(qnn_stamp, workspace):
+    prefill = qnn_fixtures.make_export(
+        workspace["root"] / "prefill", chunks=2, variant="prefill", tokens=4
+    )
+    out, manifest = _compile(
+        workspace,
+        qnn_stamp,
+        "SM8750-shared",
+        {**SM8650, "htp_arch": 79, "soc_model": 69},
+        "fp16",
+        prefill=prefill,
+    )
+    for chunk in manifest["options"]["chunks"]:
+        sharing = chunk["weight_sharing"]
+        assert sharing["one_context"] and sharing["graphs"] == ["decode", "prefill"]
+    binaries = [a["file"] for a in manifest["artifacts"] if a["role"] == "binary"]
+    assert binaries == ["chunk0_ctx_qnn.bin", "chunk1_ctx_qnn.bin"]
+    import onnx
+
+    node = onnx.load(out / "chunk1_prefill_ctx.onnx").graph.node[0]
+    cache = next(a.s.decode() for a in node.attribute if a.name == "ep_cache_context")
+    assert node.op_type == "EPContext" and cache == "chunk1_ctx_qnn.bin"
