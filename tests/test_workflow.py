@@ -166,3 +166,50 @@ def sha256_tree(root):
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def release_files(workflow):
+    return sha256_tree(workflow / "results" / "release")
+
+
+def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow):
+    """The README's build on the embedded demo model, end to end, twice from scratch."""
+    snakemake(workflow, check=True)
+    bundle = workflow / "results" / "release" / "rwkv7-demo" / "onnx" / "fp32"
+    assert (bundle / "manifest.json").is_file()
+    assert (bundle.parent / "fp32.tar.gz").is_file()
+    sums = subprocess.run(
+        ["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, capture_output=True, text=True
+    )
+    assert sums.returncode == 0, sums.stdout + sums.stderr
+    first = release_files(workflow)
+
+    again = snakemake(workflow, check=True)
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    # A second target with the same export needs but its own option: only its jobs run.
+    second = {"onnx-v16": reference_target(EXTRA_TARGETS["onnx-v16"])}
+    extra = write_extra(workflow, {"targets": second})
+    select = ("--config", "target=onnx,onnx-v16")
+    added = snakemake(workflow, "--configfile", extra, *select, check=True)
+    assert job_counts(added.stdout + added.stderr) == {
+        "compile": 1,
+        "package": 1,
+        "all": 1,
+        "total": 3,
+    }
+    # Changing that target's option reruns exactly its compile and package.
+    changed = write_extra(
+        workflow,
+        {"targets": {"onnx-v16": reference_target({"options": {"verify_steps": 8}})}},
+        name="changed.yaml",
+    )
+    dry = snakemake(workflow, "--dry-run", "--configfile", changed, *select)
+    output = dry.stdout + dry.stderr
+    assert job_counts(output) == {"compile": 1, "package": 1, "all": 1, "total": 3}
+    assert "results/compile/rwkv7-demo/onnx-v16/fp32" in output
+    assert "results/compile/rwkv7-demo/onnx/fp32" not in output
+
+    shutil.rmtree(workflow / "results")
+    snakemake(workflow, check=True)
+    assert release_files(workflow) == first
