@@ -153,7 +153,10 @@ def compile_inputs(wildcards):
     inputs = {"exports": target_export_dirs(wildcards.model, wildcards.target)}
     if PLAN.needs_calibration(wildcards.target, wildcards.precision):
         inputs["calibration"] = calibration_dir(wildcards.model, wildcards.target)
-    if backend != REFERENCE_BACKEND:
+    if backend == REFERENCE_BACKEND:
+        # The reference target checks its graphs against the checkpoint itself.
+        inputs["checkpoint"] = checkpoint_path(wildcards.model)
+    else:
         inputs["toolchain"] = toolchain_stamp(backend)
     return inputs
 
@@ -164,6 +167,8 @@ def compile_optional_args(wildcards, input):
         args.append(f"--calibration {input.calibration}")
     if "toolchain" in input.keys():
         args.append(f"--toolchain {input.toolchain}")
+    if "checkpoint" in input.keys():
+        args.append(f"--checkpoint {input.checkpoint}")
     return " ".join(args)
 
 
