@@ -179,18 +179,38 @@ def rope_tables(cfg: LlamaConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------- weights
 
 
-def load_state_dict(checkpoint_dir) -> dict:
-    """All tensors of every *.safetensors file in the folder, as float32 torch tensors."""
+def safetensors_files(checkpoint_dir) -> list[Path]:
+    """The weight files: those the shard index names, else model.safetensors, else all."""
+    folder = Path(checkpoint_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        files = [folder / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise NpuforgeError(
+                f"{folder}: shard {missing[0]} is missing; fetch the whole snapshot"
+            )
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise NpuforgeError(f"no *.safetensors in {folder}; fetch the whole model snapshot")
+    return files
+
+
+def load_state_dict(checkpoint_dir, dtype=None) -> dict:
+    """All checkpoint tensors as torch tensors of ``dtype`` (default float32)."""
     import torch
     from safetensors.torch import load_file
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise NpuforgeError(f"no *.safetensors in {checkpoint_dir}; fetch the whole model snapshot")
+    dtype = dtype or torch.float32
     tensors = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return {name: t.to(torch.float32) for name, t in tensors.items()}
+    for file in safetensors_files(checkpoint_dir):
+        # Convert file by file so a bf16 checkpoint never sits in memory twice.
+        tensors.update({k: t.to(dtype) for k, t in load_file(str(file)).items()})
+    return tensors
 
 
 def inspect_llama(checkpoint_dir) -> dict:
@@ -200,7 +220,7 @@ def inspect_llama(checkpoint_dir) -> dict:
     cfg = load_config(checkpoint_dir)
     n_params = 0
     has_lm_head = False
-    for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+    for file in safetensors_files(checkpoint_dir):
         with safe_open(str(file), framework="numpy") as handle:
             for name in handle.keys():
                 n_params += int(np.prod(handle.get_slice(name).get_shape()))
@@ -428,7 +448,8 @@ def _torch_modules():
             cos, sin = rope_tables(cfg, cache_len)
             self.register_buffer("rope_cos", torch.from_numpy(cos), persistent=False)
             self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
-            self.register_buffer("slots", torch.arange(cache_len), persistent=False)
+            # device="cpu": the module may be built on the meta device (see build_model)
+            self.register_buffer("slots", torch.arange(cache_len, device="cpu"), persistent=False)
 
         def forward(self, x, position_ids, attention_mask, caches, first=0, last=None, embed=None):
             """x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
@@ -461,7 +482,10 @@ def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int):
     """A Llama torch module in eval mode with the checkpoint's weights loaded."""
     import torch
 
-    model = _torch_modules()(cfg, cache_len)
+    # Built on the meta device and given the checkpoint tensors themselves (assign=True):
+    # no random init, no second copy of the weights.
+    with torch.device("meta"):
+        model = _torch_modules()(cfg, cache_len)
     weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
@@ -479,8 +503,11 @@ def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int):
             f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); "
             "check config.json belongs to these weights"
         )
-    with torch.no_grad():
-        model.load_state_dict({k: weights[k] for k in expected}, strict=False)
+    model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise NpuforgeError("llama model has unloaded parameters; this is a bug")
     return model.eval()
 
 
@@ -702,7 +729,9 @@ def export_llama(
     cache_len = cache_len or min(cfg.max_position_embeddings, 2048)
     if tokens > cache_len:
         raise NpuforgeError(f"tokens per call ({tokens}) exceed cache_len ({cache_len})")
-    model = build_model(cfg, load_state_dict(checkpoint_dir), cache_len).to(torch_dtype)
+    state_dict = load_state_dict(checkpoint_dir, torch_dtype)
+    model = build_model(cfg, state_dict, cache_len).to(torch_dtype)
+    del state_dict
     ranges = split_layers(cfg.num_layers, chunks)
 
     graphs, embedding = [], None
@@ -736,7 +765,7 @@ def export_llama(
             if sha:
                 from npuforge.passes import mha_to_sha
 
-                proto = mha_to_sha.convert(proto)
+                proto = mha_to_sha.convert(proto, inplace=True)
             path = tmp / f"chunk{index}.onnx"
             external = save_onnx(proto, path, external_data)
             del proto

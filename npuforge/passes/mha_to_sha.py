@@ -28,6 +28,7 @@ else raises NpuforgeError instead of being skipped.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -445,19 +446,34 @@ def _remove_dead(graph) -> None:
 
 
 def _topological(graph) -> None:
-    available = {v.name for v in graph.input} | {i.name for i in graph.initializer} | {""}
-    pending, ordered = list(graph.node), []
-    while pending:
-        ready = [n for n in pending if all(i in available for i in n.input)]
-        if not ready:
-            raise NpuforgeError("MHA->SHA produced a cyclic graph; this is a bug in the pass")
-        for node in ready:
-            available.update(node.output)
-        ordered += ready
-        ready_ids = {id(n) for n in ready}
-        pending = [n for n in pending if id(n) not in ready_ids]
+    """Reorder nodes so every input is produced before use (Kahn's algorithm)."""
+    known = {v.name for v in graph.input} | {i.name for i in graph.initializer} | {""}
+    nodes = list(graph.node)
+    producer = {out: index for index, node in enumerate(nodes) for out in node.output}
+    waiting = [0] * len(nodes)
+    users: dict[int, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for name in set(node.input) - known:
+            if name not in producer:
+                raise NpuforgeError(f"MHA->SHA left {name!r} without a producer; this is a bug")
+            waiting[index] += 1
+            users.setdefault(producer[name], []).append(index)
+    # A heap of indices keeps the original order wherever it is already valid,
+    # so the output is deterministic.
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for user in users.get(index, []):
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) != len(nodes):
+        raise NpuforgeError("MHA->SHA produced a cyclic graph; this is a bug in the pass")
     del graph.node[:]
-    graph.node.extend(ordered)
+    graph.node.extend(nodes[i] for i in order)
 
 
 def attention_layers(model) -> list[int]:
@@ -465,12 +481,19 @@ def attention_layers(model) -> list[int]:
     return sorted(int(match.group(1)) for n in model.graph.node if (match := _Q_PROJ.match(n.name)))
 
 
-def convert(model):
-    """Return a copy of ``model`` with every layer's attention split into single heads."""
+def convert(model, inplace: bool = False):
+    """Return ``model`` with every layer's attention split into single heads.
+
+    A copy unless ``inplace`` (saves one copy of the weights on large graphs); on an
+    NpuforgeError an in-place model may be left half-converted.
+    """
     import onnx
 
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    if inplace:
+        out = model
+    else:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     graph = out.graph
     layers = attention_layers(out)
     if not layers:
