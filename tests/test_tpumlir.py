@@ -513,6 +513,12 @@ def test_unavailable_reason_names_the_missing_python(tmp_path):
     assert f"is Python {sys.version_info[0]}.{sys.version_info[1]}" in reason
 
 
+def test_native_python_is_named_by_option_then_environment(monkeypatch):
+    monkeypatch.setenv("NPUFORGE_TPUMLIR_PYTHON", "/opt/py310/bin/python3.10")
+    assert tpumlir.native_python({"python": "/srv/python3.10"}) == "/srv/python3.10"
+    assert tpumlir.native_python({}) == "/opt/py310/bin/python3.10"
+
+
 def _python310():
     try:
         python = tpumlir.native_python({})
@@ -548,6 +554,7 @@ def _toolchain_python():
     return None
 
 
+@pytest.mark.toolchain
 def test_flags_exist_in_the_real_tools(tmp_path):
     python = _toolchain_python()
     if python is None:
@@ -656,6 +663,7 @@ def _tool_run(python, argv, cwd):
     )
 
 
+@pytest.mark.toolchain
 def test_real_deploy_gate_and_combine(tmp_path):
     python = _toolchain_python()
     if python is None:
