@@ -211,3 +211,38 @@ def test_export_is_deterministic_and_external_data_loads(checkpoints, tmp_path):
     np.testing.assert_array_equal(
         GraphChain(tmp_path / "c").run(ids), GraphChain(tmp_path / "a").run(ids)
     )
+
+
+def test_config_layouts_old_and_new(tmp_path):
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    layouts = {
+        # transformers < 5: rope_theta and rope_scaling at the top level
+        "old": {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}},
+        # transformers >= 5: one rope_parameters dict
+        "new": {"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", **scaling}},
+    }
+    for name, extra in layouts.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**base, **extra}))
+        cfg = llama.load_config(tmp_path / name)
+        assert (cfg.rope_theta, cfg.rope_scaling["factor"]) == (5e5, 8.0)
+        assert (cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias) == (2, 4, False)
+
+    (tmp_path / "linear").mkdir()
+    linear = {**base, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (tmp_path / "linear" / "config.json").write_text(json.dumps(linear))
+    with pytest.raises(NpuforgeError, match="RoPE type 'linear'"):
+        llama.load_config(tmp_path / "linear")

@@ -84,19 +84,11 @@ class _Graph:
             for attr in node.attribute:
                 if attr.name == "value":
                     return self._numpy.to_array(attr.t)
-        raise _mismatch(f"{what} ({name}) is not a constant")
-
-    def is_const(self, name: str) -> bool:
-        node = self.producer.get(name)
-        return name in self.inits or (node is not None and node.op_type == "Constant")
+        raise _Mismatch(f"{what} ({name}) is not a constant")
 
 
 class _Mismatch(Exception):
-    pass
-
-
-def _mismatch(message: str) -> _Mismatch:
-    return _Mismatch(message)
+    """The graph departs from the expected attention pattern (message says where)."""
 
 
 def _attr(node, name, default=None):
@@ -135,32 +127,32 @@ class _Matcher:
     def take(self, node, op_type: str, what: str):
         if node is None or node.op_type != op_type:
             found = "nothing" if node is None else f"{node.op_type} {node.name!r}"
-            raise _mismatch(f"expected {op_type} for {what}, found {found}")
+            raise _Mismatch(f"expected {op_type} for {what}, found {found}")
         self.nodes.append(node)
         return node
 
     def only_consumer(self, tensor: str, op_type: str, what: str):
-        users = [n for n in self.g.consumers.get(tensor, []) if n.name != ""]
+        users = self.g.consumers.get(tensor, [])
         if len(users) != 1:
-            raise _mismatch(f"{what}: {tensor} has {len(users)} consumers, expected 1")
+            raise _Mismatch(f"{what}: {tensor} has {len(users)} consumers, expected 1")
         return self.take(users[0], op_type, what)
 
     def other_input(self, node, known: str, what: str) -> str:
         ins = list(node.input)
         if len(ins) != 2 or known not in ins:
-            raise _mismatch(f"{what}: {node.name} does not read {known}")
+            raise _Mismatch(f"{what}: {node.name} does not read {known}")
         return ins[1] if ins[0] == known else ins[0]
 
     def reshape_to(self, node, expected: list[int] | None, what: str) -> list[int]:
         shape = [int(v) for v in self.g.const(node.input[1], f"{what} shape")]
         if expected is not None and shape != expected:
-            raise _mismatch(f"{what}: reshape to {shape}, expected {expected}")
+            raise _Mismatch(f"{what}: reshape to {shape}, expected {expected}")
         return shape
 
     def transpose(self, tensor: str, perm: list[int], what: str) -> str:
         node = self.only_consumer(tensor, "Transpose", what)
         if list(_attr(node, "perm", [])) != perm:
-            raise _mismatch(f"{what}: perm {list(_attr(node, 'perm', []))}, expected {perm}")
+            raise _Mismatch(f"{what}: perm {list(_attr(node, 'perm', []))}, expected {perm}")
         return node.output[0]
 
     def projection(self, kind: str, x: str | None):
@@ -168,9 +160,9 @@ class _Matcher:
         name = f"{self.scope}{kind}_proj/MatMul"
         mm = self.take(self.g.by_name.get(name), "MatMul", name)
         if x is not None and mm.input[0] != x:
-            raise _mismatch(f"{name} reads {mm.input[0]}, not the attention input {x}")
+            raise _Mismatch(f"{name} reads {mm.input[0]}, not the attention input {x}")
         if mm.input[1] not in self.g.inits:
-            raise _mismatch(f"{name}: weight {mm.input[1]} is not an initializer")
+            raise _Mismatch(f"{name}: weight {mm.input[1]} is not an initializer")
         weight = self.g.const(mm.input[1], f"{kind}_proj weight")
         out, bias = mm.output[0], None
         users = self.g.consumers.get(out, [])
@@ -181,7 +173,7 @@ class _Matcher:
         reshape = self.only_consumer(out, "Reshape", f"{kind} head split")
         shape = self.reshape_to(reshape, None, f"{kind} head split")
         if len(shape) != 4 or shape[2] * shape[3] != weight.shape[1]:
-            raise _mismatch(f"{kind} head split to {shape} does not fit weight {weight.shape}")
+            raise _Mismatch(f"{kind} head split to {shape} does not fit weight {weight.shape}")
         heads = self.transpose(reshape.output[0], [0, 2, 1, 3], f"{kind} heads transpose")
         return mm.input[0], weight, bias, heads, shape
 
@@ -191,7 +183,7 @@ class _Matcher:
         muls = [n for n in users if n.op_type == "Mul"]
         slices = [n for n in users if n.op_type == "Slice"]
         if len(users) != 3 or len(muls) != 1 or len(slices) != 2:
-            raise _mismatch(f"{what}: expected Mul + 2 Slice (RoPE) after {tensor}")
+            raise _Mismatch(f"{what}: expected Mul + 2 Slice (RoPE) after {tensor}")
         mul_cos = self.take(muls[0], "Mul", f"{what} cos")
         cos = self.other_input(mul_cos, tensor, f"{what} cos")
         half = head_dim // 2
@@ -205,16 +197,16 @@ class _Matcher:
                 (0, half),
                 (half, head_dim),
             ):
-                raise _mismatch(f"{what}: slice [{start}:{end}] on axis {axis} is not a RoPE half")
+                raise _Mismatch(f"{what}: slice [{start}:{end}] on axis {axis} is not a RoPE half")
             by_start[start] = node
         if set(by_start) != {0, half}:
-            raise _mismatch(f"{what}: rotate_half slices do not cover both halves")
+            raise _Mismatch(f"{what}: rotate_half slices do not cover both halves")
         neg = self.only_consumer(by_start[half].output[0], "Neg", f"{what} rotate_half")
         concat = self.only_consumer(neg.output[0], "Concat", f"{what} rotate_half")
         if list(concat.input) != [neg.output[0], by_start[0].output[0]]:
-            raise _mismatch(f"{what}: rotate_half concatenates in the wrong order")
+            raise _Mismatch(f"{what}: rotate_half concatenates in the wrong order")
         if _attr(concat, "axis") not in (-1, 3):
-            raise _mismatch(f"{what}: rotate_half concat axis {_attr(concat, 'axis')}")
+            raise _Mismatch(f"{what}: rotate_half concat axis {_attr(concat, 'axis')}")
         mul_sin = self.only_consumer(concat.output[0], "Mul", f"{what} sin")
         sin = self.other_input(mul_sin, concat.output[0], f"{what} sin")
         add = self.only_consumer(mul_cos.output[0], "Add", f"{what} sum")
@@ -223,20 +215,16 @@ class _Matcher:
 
     def cache_update(self, new: str, write: str | None, what: str):
         """cache * keep + write @ new -> (write, keep, cache input, cache output)."""
-        mm = self.take(
-            next((n for n in self.g.consumers.get(new, []) if n.op_type == "MatMul"), None),
-            "MatMul",
-            f"{what} cache write",
-        )
+        mm = self.only_consumer(new, "MatMul", f"{what} cache write")
         if mm.input[1] != new or (write is not None and mm.input[0] != write):
-            raise _mismatch(f"{what}: cache write MatMul has unexpected operands")
+            raise _Mismatch(f"{what}: cache write MatMul has unexpected operands")
         add = self.only_consumer(mm.output[0], "Add", f"{what} cache update")
         mul = self.take(
             self.g.producer.get(self.other_input(add, mm.output[0], what)), "Mul", f"{what} keep"
         )
         cache = next((i for i in mul.input if i in self.g.inputs), None)
         if cache is None or add.output[0] not in self.g.outputs:
-            raise _mismatch(f"{what}: cache update does not go from a graph input to an output")
+            raise _Mismatch(f"{what}: cache update does not go from a graph input to an output")
         return mm.input[0], self.other_input(mul, cache, what), cache, add.output[0]
 
     def match(self) -> _LayerMatch:
@@ -246,44 +234,44 @@ class _Matcher:
         b, t, h, d = q_shape
         kv = k_shape[2]
         if k_shape != [b, t, kv, d] or v_shape != k_shape or h % kv:
-            raise _mismatch(f"q/k/v head shapes {q_shape}, {k_shape}, {v_shape} disagree")
+            raise _Mismatch(f"q/k/v head shapes {q_shape}, {k_shape}, {v_shape} disagree")
         q, cos, sin = self.rope(q, d, "q RoPE")
         k, k_cos, k_sin = self.rope(k, d, "k RoPE")
         if (k_cos, k_sin) != (cos, sin):
-            raise _mismatch("q and k use different RoPE tables")
+            raise _Mismatch("q and k use different RoPE tables")
         write, keep, k_cache, k_out = self.cache_update(k, None, "k")
         _, v_keep, v_cache, v_out = self.cache_update(v, write, "v")
         if v_keep != keep:
-            raise _mismatch("k and v caches use different keep masks")
+            raise _Mismatch("k and v caches use different keep masks")
         length = self._cache_length(k_cache)
 
         scale_mul = self.only_consumer(q, "Mul", "q scale")
         scale = self.g.const(self.other_input(scale_mul, q, "q scale"), "q scale")
         if scale.size != 1:
-            raise _mismatch(f"q scale has {scale.size} elements, expected a scalar")
+            raise _Mismatch(f"q scale has {scale.size} elements, expected a scalar")
         grouped = self.only_consumer(scale_mul.output[0], "Reshape", "q grouping")
         group = h // kv
         self.reshape_to(grouped, [b, kv, group * t, d], "q grouping")
         k_t = self._consumer_of(k_out, "Transpose", "k transpose")
         if list(_attr(k_t, "perm", [])) != [0, 1, 3, 2]:
-            raise _mismatch("k cache transpose is not [0, 1, 3, 2]")
+            raise _Mismatch("k cache transpose is not [0, 1, 3, 2]")
         scores = self.only_consumer(grouped.output[0], "MatMul", "scores")
         if list(scores.input) != [grouped.output[0], k_t.output[0]]:
-            raise _mismatch("scores MatMul does not read q and the transposed k cache")
+            raise _Mismatch("scores MatMul does not read q and the transposed k cache")
         ungroup = self.only_consumer(scores.output[0], "Reshape", "scores per head")
         self.reshape_to(ungroup, [b, h, t, length], "scores per head")
         masked = self.only_consumer(ungroup.output[0], "Add", "attention mask")
         mask = self.other_input(masked, ungroup.output[0], "attention mask")
         if mask not in self.g.inputs:
-            raise _mismatch(f"attention mask {mask} is not a graph input")
+            raise _Mismatch(f"attention mask {mask} is not a graph input")
         softmax = self.only_consumer(masked.output[0], "Softmax", "softmax")
         if _attr(softmax, "axis", -1) not in (-1, 3):
-            raise _mismatch("softmax is not over the cache axis")
+            raise _Mismatch("softmax is not over the cache axis")
         regroup = self.only_consumer(softmax.output[0], "Reshape", "probs grouping")
         self.reshape_to(regroup, [b, kv, group * t, length], "probs grouping")
         pv = self.only_consumer(regroup.output[0], "MatMul", "probs @ v")
         if list(pv.input) != [regroup.output[0], v_out]:
-            raise _mismatch("probs MatMul does not read the updated v cache")
+            raise _Mismatch("probs MatMul does not read the updated v cache")
         heads = self.only_consumer(pv.output[0], "Reshape", "output heads")
         self.reshape_to(heads, [b, h, t, d], "output heads")
         merged = self.transpose(heads.output[0], [0, 2, 1, 3], "output transpose")
@@ -291,7 +279,7 @@ class _Matcher:
         self.reshape_to(merge, [b, t, h * d], "head merge")
         o_proj = self.g.consumers.get(merge.output[0], [])
         if [n.name for n in o_proj] != [f"{self.scope}o_proj/MatMul"]:
-            raise _mismatch("merged heads do not feed o_proj/MatMul")
+            raise _Mismatch("merged heads do not feed o_proj/MatMul")
         return _LayerMatch(
             layer=self.layer,
             x=x,
@@ -311,7 +299,7 @@ class _Matcher:
     def _consumer_of(self, tensor, op_type, what):
         found = [n for n in self.g.consumers.get(tensor, []) if n.op_type == op_type]
         if len(found) != 1:
-            raise _mismatch(f"{what}: expected one {op_type} reading {tensor}")
+            raise _Mismatch(f"{what}: expected one {op_type} reading {tensor}")
         return self.take(found[0], op_type, what)
 
     def _cache_length(self, cache: str) -> int:
@@ -320,7 +308,7 @@ class _Matcher:
                 dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
                 if len(dims) == 4 and dims[2] > 0:
                     return dims[2]
-        raise _mismatch(f"cache input {cache} has no static [B, KV, L, D] shape")
+        raise _Mismatch(f"cache input {cache} has no static [B, KV, L, D] shape")
 
 
 # --------------------------------------------------------------------------- emission
