@@ -31,6 +31,9 @@ def onnxruntime_session(onnx_path, threads: int = 1):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    # No fusions: fused kernels (SkipLayerNormalization...) compute fp16 graphs in fp32
+    # internally and would hide overflows an NPU running the plain graph would hit.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 
@@ -135,3 +138,82 @@ class GraphChain:
         return np.concatenate(
             [self.step(tokens[:, i : i + t]) for i in range(0, tokens.shape[1], t)], axis=1
         )
+
+
+class Fp16EmulationSession:
+    """Runs an fp16 graph the way an fp16 NPU stores it: every intermediate rounded to fp16.
+
+    onnxruntime's CPU provider has few fp16 kernels; it computes most fp16 nodes in
+    fp32 and drops the casts in between, so an fp16 graph that overflows on an NPU can
+    look clean there. This session rewrites the graph to fp32 arithmetic with a
+    Cast(fp16) -> Cast(fp32) pair after every node: each op accumulates wide, as NPU
+    kernels do, but every tensor it writes is fp16 (overflow -> inf), as NPU memory is.
+    """
+
+    def __init__(self, onnx_path, threads: int = 1):
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        model = onnx.load(str(onnx_path))
+        model = onnx.shape_inference.infer_shapes(model)
+        graph = model.graph
+        half, full = TensorProto.FLOAT16, TensorProto.FLOAT
+        fp16_values = {
+            v.name
+            for v in list(graph.value_info) + list(graph.input) + list(graph.output)
+            if v.type.tensor_type.elem_type == half
+        }
+        self.input_types = {v.name: v.type.tensor_type.elem_type for v in graph.input}
+        self.output_types = {v.name: v.type.tensor_type.elem_type for v in graph.output}
+        for value in list(graph.input) + list(graph.output):
+            if value.type.tensor_type.elem_type == half:
+                value.type.tensor_type.elem_type = full
+        del graph.value_info[:]
+        for init in graph.initializer:
+            if init.data_type == half:
+                init.CopyFrom(
+                    numpy_helper.from_array(
+                        numpy_helper.to_array(init).astype("float32"), init.name
+                    )
+                )
+        nodes = []
+        graph_outputs = {o.name for o in graph.output}
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.name == "to" and attr.i == half:
+                    attr.i = full
+                if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == half:
+                    attr.t.CopyFrom(
+                        numpy_helper.from_array(numpy_helper.to_array(attr.t).astype("float32"))
+                    )
+            renamed = []
+            for index, out in enumerate(node.output):
+                if out in fp16_values:
+                    raw = f"{out}__wide"
+                    node.output[index] = raw
+                    renamed.append((raw, out))
+            nodes.append(node)
+            for raw, out in renamed:
+                nodes.append(helper.make_node("Cast", [raw], [f"{out}__h"], to=half))
+                nodes.append(helper.make_node("Cast", [f"{out}__h"], [out], to=full))
+        del graph.node[:]
+        graph.node.extend(nodes)
+        del graph_outputs
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+
+    def run(self, output_names, feeds):
+        import numpy as np
+
+        wide = {k: (v.astype(np.float32) if v.dtype == np.float16 else v) for k, v in feeds.items()}
+        results = self.session.run(output_names, wide)
+        return [
+            r.astype(np.float16) if self.output_types.get(n) == 10 else r
+            for n, r in zip(output_names, results, strict=True)
+        ]

@@ -17,9 +17,10 @@ import zlib
 from npuforge.errors import NpuforgeError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# Stress factors: per-block residual push on the stressed channels and the k/v gain.
-STRESS_RESIDUAL = 48.0
-STRESS_KV = 12.0
+# Stress factors per version: residual push of ffn.value on the stressed channels (v5/v6
+# gate the ffn output with a sigmoid, so they need more) and the gain on att k and v.
+STRESS_RESIDUAL = {5: 80.0, 6: 80.0, 7: 40.0}
+STRESS_KV = {5: 40.0, 6: 40.0, 7: 80.0}
 STRESS_CHANNELS = 4
 
 
@@ -46,12 +47,11 @@ def _tensor_values(key: str, shape: tuple, seed: int, cfg, stress: bool):
         return 1.0 + normal(0.1)
     if key.endswith(".weight"):  # [out, in] linear layers and the head
         values = normal(1.0 / np.sqrt(shape[1]))
-        if stress and leaf in ("output", "value") and ".ffn." in key:
-            values[:STRESS_CHANNELS, :] = STRESS_RESIDUAL / shape[1] * 8
-        elif stress and leaf == "output":
-            values[:STRESS_CHANNELS, :] = STRESS_RESIDUAL / np.sqrt(shape[1])
+        if stress and leaf == "value" and ".ffn." in key:
+            # relu(.)^2 >= 0, so a positive row adds ~STRESS_RESIDUAL * F / 2 every block.
+            values[:STRESS_CHANNELS, :] = STRESS_RESIDUAL[cfg.version]
         elif stress and leaf in ("key", "value") and ".att." in key:
-            values *= STRESS_KV
+            values *= STRESS_KV[cfg.version]
         return values
     if leaf.startswith(("time_mix_", "time_maa_")) and len(shape) == 3 and shape[0] == 1:
         return uniform(0.0, 1.0)

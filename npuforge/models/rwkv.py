@@ -30,6 +30,8 @@ fp16 fixes (seed 001), exact in real arithmetic, powers of two only:
   ``R``-th layer and the block output weights of layer ``i`` are divided by
   ``2**(i // R)`` (as BlinkDL's ``rwkv`` package does for fp16). Layer norms
   are scale invariant; their ``eps`` is divided by the square of the scale.
+* v7's ``k_k`` (it only feeds the L2-normalised ``kk``) is divided by ``s`` too,
+  so the sum of squares inside the normalisation stays in range.
 
 ``embedding.bin`` (written with ``--ext-embedding``; see ``npuforge.export``):
 little-endian header of 32 bytes — magic ``b"NPFEMB\\0\\0"`` (8 bytes), then
@@ -420,6 +422,10 @@ def prepared_tensor(ckpt, spec: GraphSpec, name: str):
     if cfg.version == 7:
         if rest == "r_k":
             return w("r_k") * spec.wkv_scale
+        if rest == "k_k":
+            # k_k only feeds the L2-normalised kk (scale invariant): shrinking it keeps
+            # the sum of squares inside fp16 range.
+            return w("k_k").reshape(shape) / spec.wkv_scale
         return w(rest).reshape(shape)
     # v5 / v6
     if part == "ffn":
