@@ -27,6 +27,7 @@ file is relative to that list file's directory, so the directory can move::
 Everything is byte-identical for the same export, text, and options.
 """
 
+import functools
 import hashlib
 import io
 import zipfile
@@ -75,6 +76,7 @@ def text_digest(documents) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def world_tokenizer():
     """The RWKV World tokenizer: ``encode(str) -> list[int]``.
 
