@@ -1,20 +1,28 @@
 """Fetch a model checkpoint from its registered source and check its sha256.
 
 Sources (exactly one per model, see config/models.yaml):
-  hf         {repo, filename, revision}: huggingface_hub at a pinned commit, through
-             the user's HF cache; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply
-  path       an absolute path to a local file
+  hf         {repo, filename, revision}: one file through huggingface_hub at a pinned
+             commit, or {repo, snapshot: true, revision[, allow_patterns]}: the whole
+             repository (an HF model directory); both through the user's HF cache, with
+             HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE honoured
+  path       an absolute path to a local file (or directory, for format hf)
   synthetic  {version, layers, embed, vocab, ...}: the deterministic generator
 
-The output appears only after its hash has been checked: a mismatch leaves no file.
+A directory checkpoint (output name ending in .hf) is hashed as a tree: the sha256
+of its SHA256SUMS-style listing ("<sha256>  <relative path>" lines, sorted by path).
+The output appears only after its hash has been checked: a mismatch leaves nothing.
 """
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
+
+# Output suffix of a directory checkpoint (a Hugging Face model directory).
+TREE_SUFFIX = ".hf"
 
 
 def source_kind(source: dict) -> str:
@@ -30,25 +38,34 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
     """Place the checkpoint at ``out`` and its provenance at ``record``; return the record."""
     kind = source_kind(source)
     out = Path(out)
+    tree = out.suffix == TREE_SUFFIX
     with atomic_path(out) as tmp:
-        if kind == "hf":
+        if kind == "hf" and source["hf"].get("snapshot"):
+            _place_tree(_download_hf(source["hf"], snapshot=True), tmp)
+        elif kind == "hf":
             _place(_download_hf(source["hf"]), tmp)
         elif kind == "path":
             local = Path(source["path"])
-            if not local.is_file():
+            if not (local.is_dir() if tree else local.is_file()):
+                what = "directory" if tree else "file"
                 raise NpuforgeError(
-                    f"checkpoint {local} does not exist; fix source.path in the model registry"
+                    f"checkpoint {what} {local} does not exist; fix source.path in the registry"
                 )
-            _place(local, tmp)
+            (_place_tree if tree else _place)(local, tmp)
         else:
             _make_synthetic(source["synthetic"], tmp, fmt=out.suffix.lstrip("."))
-        actual = sha256_file(tmp)
+        if tree != tmp.is_dir():
+            raise NpuforgeError(
+                f"{_describe(source)} gives a {'directory' if tmp.is_dir() else 'file'}, but the "
+                f"model's format wants a {'directory' if tree else 'file'}; fix format or source"
+            )
+        actual = tree_sha256(tmp) if tree else sha256_file(tmp)
         if expected_sha256 and actual != expected_sha256.lower():
             raise NpuforgeError(
                 f"sha256 mismatch for {_describe(source)}: expected {expected_sha256}, got "
                 f"{actual}; the file was not kept (fix the registry's sha256 or the source)"
             )
-        size = tmp.stat().st_size
+        size = _size(tmp)
     data = {
         "source": source,
         "sha256": actual,
@@ -60,11 +77,29 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
     return data
 
 
+def tree_sha256(directory) -> str:
+    """sha256 of a directory's SHA256SUMS-style listing, sorted by relative path."""
+    directory = Path(directory)
+    files = sorted(
+        (p for p in directory.rglob("*") if p.is_file()),
+        key=lambda p: p.relative_to(directory).as_posix(),
+    )
+    listing = "".join(f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
 def _describe(source: dict) -> str:
     kind = source_kind(source)
     if kind == "hf":
         hf = source["hf"]
-        return f"hf:{hf['repo']}/{hf['filename']}@{hf['revision'][:12]}"
+        name = hf.get("filename") or "snapshot"
+        return f"hf:{hf['repo']}/{name}@{hf['revision'][:12]}"
     if kind == "path":
         return source["path"]
     return "synthetic checkpoint"
@@ -79,18 +114,36 @@ def _place(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def _download_hf(hf: dict) -> Path:
-    from huggingface_hub import hf_hub_download
+def _place_tree(src: Path, dst: Path) -> None:
+    """Mirror a directory (following the HF cache's symlinks) file by file."""
+    dst.mkdir()
+    for path in sorted(Path(src).rglob("*")):
+        relative = path.relative_to(src)
+        if any(part.startswith(".") for part in relative.parts):
+            continue  # .cache/, .gitattributes: not part of the model
+        if path.is_dir():
+            (dst / relative).mkdir(parents=True, exist_ok=True)
+        elif path.is_file():
+            (dst / relative).parent.mkdir(parents=True, exist_ok=True)
+            _place(path, dst / relative)
+
+
+def _download_hf(hf: dict, snapshot: bool = False) -> Path:
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    where = f"{hf['repo']}/{hf['filename']} at revision {hf['revision']}"
+    name = "the whole repository" if snapshot else hf["filename"]
+    where = f"{hf['repo']} ({name}) at revision {hf['revision']}"
+    common = {
+        "repo_id": hf["repo"],
+        "revision": hf["revision"],
+        "repo_type": hf.get("repo_type", "model"),
+    }
     try:
-        path = hf_hub_download(
-            repo_id=hf["repo"],
-            filename=hf["filename"],
-            revision=hf["revision"],
-            repo_type=hf.get("repo_type", "model"),
-        )
+        if snapshot:
+            path = snapshot_download(allow_patterns=hf.get("allow_patterns"), **common)
+        else:
+            path = hf_hub_download(filename=hf["filename"], **common)
     except LocalEntryNotFoundError as err:
         raise NpuforgeError(
             f"{where} is not in the Hugging Face cache and cannot be downloaded "

@@ -102,6 +102,13 @@ def check_registries(models: dict, targets: dict) -> None:
                     f"model {model_id}: source.synthetic.version={synthetic['version']} differs "
                     f"from version={model['version']}; make them agree"
                 )
+        snapshot = bool(model["source"].get("hf", {}).get("snapshot"))
+        if snapshot != (model["format"] == "hf") and "path" not in model["source"]:
+            raise NpuforgeError(
+                f"model {model_id}: format {model['format']} needs "
+                f"{'hf.snapshot: true' if model['format'] == 'hf' else 'a single-file source'}; "
+                "format hf goes with a snapshot (or a directory path), pth/safetensors with a file"
+            )
         path = model["source"].get("path")
         if path is not None and not Path(path).is_absolute():
             raise NpuforgeError(f"model {model_id}: source.path '{path}' must be an absolute path")

@@ -4,6 +4,27 @@ rule fetch:
         record=f"{RESULTS}/models/{{model}}/checkpoint.{{fmt}}.json",
     log:
         f"{RESULTS}/logs/fetch/{{model}}.{{fmt}}.log",
+    wildcard_constraints:
+        fmt="pth|safetensors",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        source=lambda w: as_json(MODELS[w.model]["source"]),
+        sha256=lambda w: MODELS[w.model].get("sha256") or "",
+    shell:
+        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+
+
+# A Hugging Face model directory (config.json + safetensors shards + tokenizer files).
+rule fetch_tree:
+    output:
+        checkpoint=directory(f"{RESULTS}/models/{{model}}/checkpoint.hf"),
+        record=f"{RESULTS}/models/{{model}}/checkpoint.hf.json",
+    log:
+        f"{RESULTS}/logs/fetch/{{model}}.hf.log",
     conda:
         MAIN_ENV
     threads: 1

@@ -16,6 +16,17 @@ PAYLOAD = bytes(range(256)) * 64
 PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
 PRIVATE_REPO = "npuforge-test/private"
 TOKEN = "hf_loopback_test_token"
+TREE_REPO = "npuforge-test/tiny-llama"
+TREE_FILES = {
+    "config.json": b'{"model_type": "llama"}',
+    "model.safetensors": bytes(range(7, 250)) * 40,
+    "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+}
+REPO_FILES = {
+    REPO_ID: {FILENAME: PAYLOAD},
+    PRIVATE_REPO: {FILENAME: PAYLOAD},
+    TREE_REPO: TREE_FILES,
+}
 
 
 class HubHandler(BaseHTTPRequestHandler):
@@ -27,26 +38,50 @@ class HubHandler(BaseHTTPRequestHandler):
         pass
 
     def _resolve(self):
+        """Headers for a file request; returns the file's bytes when it exists."""
         self.requests_seen.append((self.command, self.path, self.headers.get("authorization")))
         parts = self.path.split("?")[0].strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
+            return self._tree("/".join(parts[2:4]), parts[5])
         if len(parts) < 5 or parts[2] != "resolve":
             return self._fail(404, "EntryNotFound")
         repo, revision, filename = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
         if repo == PRIVATE_REPO and self.headers.get("authorization") != f"Bearer {TOKEN}":
             return self._fail(401, "GatedRepo")
-        if repo not in (REPO_ID, PRIVATE_REPO):
+        if repo not in REPO_FILES:
             return self._fail(404, "RepoNotFound")
         if revision != COMMIT:
             return self._fail(404, "RevisionNotFound")
-        if filename != FILENAME:
+        if filename not in REPO_FILES[repo]:
             return self._fail(404, "EntryNotFound")
+        data = REPO_FILES[repo][filename]
         self.send_response(200)
         self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("ETag", f'"{PAYLOAD_SHA}"')
-        self.send_header("Content-Length", str(len(PAYLOAD)))
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("Content-Length", str(len(data)))
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()
-        return True
+        return data
+
+    def _tree(self, repo, revision):
+        """The hub's recursive tree listing, one page."""
+        if repo not in REPO_FILES or revision != COMMIT:
+            return self._fail(404, "RepoNotFound")
+        entries = [
+            {
+                "type": "file",
+                "path": name,
+                "size": len(data),
+                "oid": hashlib.sha1(data).hexdigest(),
+            }
+            for name, data in sorted(REPO_FILES[repo].items())
+        ]
+        body = json.dumps(entries).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        return body
 
     def _fail(self, status, code):
         body = json.dumps({"error": code}).encode()
@@ -57,14 +92,15 @@ class HubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "GET":
             self.wfile.write(body)
-        return False
+        return None
 
     def do_HEAD(self):  # noqa: N802 - http.server's naming
         self._resolve()
 
     def do_GET(self):  # noqa: N802
-        if self._resolve():
-            self.wfile.write(PAYLOAD)
+        data = self._resolve()
+        if data is not None:
+            self.wfile.write(data)
 
 
 @pytest.fixture
@@ -91,9 +127,9 @@ def hf_env(tmp_path, endpoint, **extra):
     return script_env(**(settings | extra))
 
 
-def fetch_cli(tmp_path, source, sha256, env):
-    out = tmp_path / "out" / "checkpoint.pth"
-    record = tmp_path / "out" / "checkpoint.pth.json"
+def fetch_cli(tmp_path, source, sha256, env, name="checkpoint.pth"):
+    out = tmp_path / "out" / name
+    record = tmp_path / "out" / f"{name}.json"
     result = run_script(
         "fetch_model.py",
         "--source",
@@ -216,3 +252,25 @@ def test_synthetic_source_is_deterministic(tmp_path):
     again, out2, _ = fetch_cli(tmp_path / "b", source, digest, script_env())
     assert again.returncode == 0, again.stderr
     assert out.read_bytes() == out2.read_bytes()
+
+
+def expected_tree_sha256(files):
+    listing = "".join(
+        f"{hashlib.sha256(data).hexdigest()}  {name}\n" for name, data in sorted(files.items())
+    )
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def test_hf_snapshot_of_a_model_directory(tmp_path, hub):
+    source = {"hf": {"repo": TREE_REPO, "snapshot": True, "revision": COMMIT}}
+    digest = expected_tree_sha256(TREE_FILES)
+    env = hf_env(tmp_path, hub)
+    result, out, record = fetch_cli(tmp_path, source, digest, env, name="checkpoint.hf")
+    assert result.returncode == 0, result.stderr
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} == set(TREE_FILES)
+    assert (out / "model.safetensors").read_bytes() == TREE_FILES["model.safetensors"]
+    assert json.loads(record.read_text())["sha256"] == digest
+    # Wrong tree hash: nothing is kept.
+    bad, out_bad, _ = fetch_cli(tmp_path / "again", source, "1" * 64, env, name="checkpoint.hf")
+    assert bad.returncode == 2 and "sha256 mismatch" in bad.stderr
+    assert leftovers(out_bad.parent) == []

@@ -153,3 +153,16 @@ def test_semantic_checks():
     bad_models["rwkv7-demo"]["source"] = {"path": "relative/ckpt.pth"}
     with pytest.raises(NpuforgeError, match="must be an absolute path"):
         check_registries(bad_models, targets)
+
+
+def test_directory_format_goes_with_a_snapshot():
+    models, targets = shipped()
+    bad = copy.deepcopy(models)
+    bad["rwkv7-demo"]["format"] = "hf"
+    with pytest.raises(NpuforgeError, match="format hf needs hf.snapshot: true"):
+        check_registries(bad, targets)
+    entry = copy.deepcopy(models["rwkv7-demo"])
+    entry.update(format="hf", sha256="d" * 64)
+    entry["source"] = {"hf": {"repo": "org/llama", "snapshot": True, "revision": "e" * 40}}
+    valid("models", {"llama": entry})
+    check_registries({"llama": entry}, targets)
