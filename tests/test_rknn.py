@@ -1,0 +1,274 @@
+"""Rockchip backend: graph rewrites, placement parsing, planning, and real rknn-toolkit2 builds.
+
+The toolkit tests need an rknn toolchain: set NPUFORGE_RKNN_STAMP to a stamp
+written by workflow_scripts/prepare_toolchain.py --backend rknn, or
+NPUFORGE_RKNN_PYTHON to a Python with rknn-toolkit2 2.5.0 installed from
+envs/rknn/requirements.lock; a stamp at results/toolchains/rknn-native.json is
+used when present. Without one they skip and say so.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npuforge.backends import rknn
+from npuforge.errors import NpuforgeError
+
+REPO = Path(__file__).resolve().parents[1]
+RK3588 = {"target_platform": "rk3588", "optimization_level": 3, "memory_budget_gb": 8}
+
+
+# --------------------------------------------------------------------------- rewrites
+
+
+def _graph_with_decay_and_outer_product():
+    """x -> decay = exp(-c * sigmoid(x)) (provably <= 0 argument), exp(x) (unknown sign),
+    and an outer product v[2,4,1] @ k[2,1,4] + s."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["sig"]),
+        helper.make_node("Mul", ["sig", "neg_c"], ["arg"]),
+        helper.make_node("Exp", ["arg"], ["decay"]),
+        helper.make_node("Exp", ["x"], ["free_exp"]),
+        helper.make_node(
+            "Constant", [], ["c_half"], value=numpy_helper.from_array(np.array(-0.5, np.float32))
+        ),  # fmt: skip
+        helper.make_node("Neg", ["sig"], ["nsig"]),
+        helper.make_node("Add", ["nsig", "c_half"], ["arg2"]),
+        helper.make_node("Exp", ["arg2"], ["decay2"]),
+        helper.make_node("MatMul", ["v", "k"], ["vk"]),
+        helper.make_node("Add", ["vk", "s"], ["s_out"]),
+    ]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", f, [1, 8]),
+            helper.make_tensor_value_info("v", f, [2, 4, 1]),
+            helper.make_tensor_value_info("k", f, [2, 1, 4]),
+            helper.make_tensor_value_info("s", f, [2, 4, 4]),
+        ],
+        [
+            helper.make_tensor_value_info(n, f, shape)
+            for n, shape in (
+                ("decay", [1, 8]),
+                ("free_exp", [1, 8]),
+                ("decay2", [1, 8]),
+                ("s_out", [2, 4, 4]),
+            )
+        ],
+        [numpy_helper.from_array(np.full((1, 8), -0.606531, np.float32), "neg_c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_rewrites_are_exact_and_counted(tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    from npuforge.backends.rknn_graph import rewrite_file
+
+    src, dst = tmp_path / "src.onnx", tmp_path / "dst.onnx"
+    onnx.save(_graph_with_decay_and_outer_product(), src)
+    report = rewrite_file(src, dst)
+    assert report == {"exp_to_elu": 2, "exp_kept": 1, "outer_matmul_to_mul": 1}
+    ops = [n.op_type for n in onnx.load(dst).graph.node]
+    assert ops.count("Exp") == 1 and ops.count("Elu") == 2 and "MatMul" not in ops
+
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((1, 8)).astype(np.float32) * 4,
+        "v": rng.standard_normal((2, 4, 1)).astype(np.float32),
+        "k": rng.standard_normal((2, 1, 4)).astype(np.float32),
+        "s": rng.standard_normal((2, 4, 4)).astype(np.float32),
+    }
+    before = ort.InferenceSession(str(src)).run(None, feeds)
+    after = ort.InferenceSession(str(dst)).run(None, feeds)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_sign_analysis_keeps_unprovable_exp():
+    from onnx import TensorProto, helper
+
+    from npuforge.backends.rknn_graph import rewrite_for_rknn
+
+    f = TensorProto.FLOAT
+    # tanh can be positive: exp(-tanh(x)) must stay an Exp.
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Tanh", ["x"], ["t"]),
+                helper.make_node("Neg", ["t"], ["n"]),
+                helper.make_node("Exp", ["n"], ["y"]),
+            ],
+            "g",
+            [helper.make_tensor_value_info("x", f, [1, 4])],
+            [helper.make_tensor_value_info("y", f, [1, 4])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    assert rewrite_for_rknn(model)["exp_kept"] == 1
+
+
+# --------------------------------------------------------------------------- job helpers
+
+
+# Rows as rknn-toolkit2 2.5.0 prints them (columns trimmed), incl. the Exp it puts on the CPU.
+_ROWS = [
+    ("ID", "OpType", "DataType", "Target", "InputShape", "FullName"),
+    ("0", "InputOperator", "FLOAT16", "CPU", "\\", "InputOperator:embedding"),
+    ("5", "Reshape", "FLOAT16", "NPU", "(1,128),(4)", "Reshape:embedding_rs"),
+    ("6", "exNorm", "FLOAT16", "NPU", "(1,128,1,1)", "exNorm:/ln1/LayerNormalization#1"),
+    ("7", "Exp", "FLOAT16", "CPU", "(1,128,1,1)", "Exp:/layers.0/Exp"),
+    ("8", "OutputOperator", "FLOAT16", "CPU", "(1,128)", "OutputOperator:logits"),
+]
+PLACEMENT_LOG = "".join(
+    "D RKNN: [02:38:33.864] " + "  ".join(f"{c:<14}" for c in row) + "\n" for row in _ROWS
+)
+
+
+def test_parse_placement_counts_cpu_fallback():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rknn_job", rknn.JOB_SCRIPT)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    placement = job.parse_placement(PLACEMENT_LOG)
+    assert placement["ops"] == {"NPU": 2, "CPU": 1}
+    assert placement["cpu_fallback"] == 1
+    assert placement["fallback_ops"] == [
+        {"op": "Exp", "target": "CPU", "name": "Exp:/layers.0/Exp"}
+    ]
+
+
+def test_plan_chunks_and_precision_checks():
+    # 36 bytes/param: 25M params ~ 0.9 GB; a 0.45B model needs 3 chunks in 8 GB.
+    assert rknn.plan_chunks(25_000_000, "fp16", 8) == 1
+    assert rknn.plan_chunks(450_000_000, "fp16", 8) == 3
+    assert rknn.plan_chunks(450_000_000, "fp16", 2) == 9
+    rknn.check_precision("RK3588", RK3588, "w16a16i_dfp")
+    with pytest.raises(NpuforgeError, match="cannot build precision 'w16a16i_dfp'"):
+        rknn.check_precision("RK3576", {"target_platform": "rk3576"}, "w16a16i_dfp")
+    assert "rk9999" in rknn.unavailable_reason("native", {"target_platform": "rk9999"})
+    assert rknn.unavailable_reason("native", RK3588) is None
+
+
+# --------------------------------------------------------------------------- compile flow
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    from test_calibration import small_export
+
+    return small_export(tmp_path_factory.mktemp("rknn_export"))
+
+
+def test_failed_job_leaves_no_artifact_and_one_line(export_dir, tmp_path):
+    stamp = tmp_path / "stamp.json"
+    stamp.write_text(json.dumps({"backend": "rknn", "runtime": "native", "python": "/bin/false"}))
+    out = tmp_path / "out"
+
+    def failing_runner(stamp_path, spec_path, read_only, writable, log_path):
+        spec = json.loads(Path(spec_path).read_text())
+        Path(spec["rknn"]).write_bytes(b"half a model")  # a partial output
+        raise NpuforgeError("rknn job failed in the native toolchain: error: build failed")
+
+    with pytest.raises(NpuforgeError, match="build failed"):
+        rknn.compile_rknn(
+            [export_dir], None, "RK3588", RK3588, "fp16", stamp, out, job_runner=failing_runner
+        )
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+    with pytest.raises(NpuforgeError, match="needs calibration samples"):
+        rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "w8a8", stamp, out)
+    with pytest.raises(NpuforgeError, match="toolchain stamp .* is missing"):
+        rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", tmp_path / "no", out)
+    with pytest.raises(NpuforgeError, match="memory budget"):
+        rknn.compile_rknn(
+            [export_dir], None, "RK3588", {**RK3588, "memory_budget_gb": 1e-6}, "fp16", stamp, out
+        )
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- real toolkit
+
+
+def _toolchain_stamp(tmp_path_factory) -> Path:
+    stamp = os.environ.get("NPUFORGE_RKNN_STAMP")
+    if stamp:
+        return Path(stamp)
+    python = os.environ.get("NPUFORGE_RKNN_PYTHON")
+    if python:
+        from npuforge.fileio import write_json
+
+        path = tmp_path_factory.mktemp("toolchain") / "rknn-native.json"
+        write_json(path, {"backend": "rknn", "runtime": "native", "python": python,
+                          "versions": {"rknn-toolkit2": "2.5.0"}})  # fmt: skip
+        return path
+    default = REPO / "results" / "toolchains" / "rknn-native.json"
+    if default.is_file():
+        return default
+    pytest.skip(
+        "no rknn toolchain: set NPUFORGE_RKNN_STAMP or NPUFORGE_RKNN_PYTHON "
+        "(a venv from envs/rknn/requirements.lock installed with --no-deps)"
+    )
+
+
+@pytest.fixture(scope="module")
+def toolchain(tmp_path_factory):
+    return _toolchain_stamp(tmp_path_factory)
+
+
+def _digests(out: Path) -> dict:
+    from npuforge.fileio import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(out.iterdir())}
+
+
+@pytest.mark.toolchain
+def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    record = rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, first)
+    figures = record["verification"]
+    assert figures["steps"] == 32 and figures["nan_inf"] == 0
+    assert figures["cosine"] >= 0.9999 and figures["top1_agreement"] == 1.0
+    # Every op on the NPU: the decay's Exp became Elu + 1 (one per layer).
+    assert record["placement"]["cpu_fallback"] == 0
+    assert sum(r["exp_to_elu"] for r in record["graph_rewrites"]) == 2
+    assert record["split"]["chunks"] == 2 and record["split"]["layers"] == [[0, 1], [1, 2]]
+    assert [a["file"] for a in record["artifacts"]] == ["chunk0.rknn", "chunk1.rknn"]
+    assert sorted(p.name for p in first.iterdir()) == ["chunk0.rknn", "chunk1.rknn", "compile.json"]
+
+    rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
+    assert _digests(first) == _digests(second)
+
+
+@pytest.mark.toolchain
+def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
+    from npuforge.calibration import make_calibration_samples
+
+    calibration = tmp_path / "calibration"
+    make_calibration_samples(export_dir, calibration, samples=8, steps=32, seed=0)
+    record = rknn.compile_rknn(
+        [export_dir], calibration, "RK3588", RK3588, "w8a8", toolchain, tmp_path / "out"
+    )
+    figures = record["verification"]
+    assert figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
+    assert record["options"]["calibration"]["zero_state"] is False
+    assert record["options"]["quantized_dtype"] == "w8a8"
+
+
+@pytest.mark.toolchain
+def test_compiler_failure_is_one_line(export_dir, toolchain, tmp_path):
+    out = tmp_path / "out"
+    options = {**RK3588, "optimization_level": 99}
+    with pytest.raises(NpuforgeError) as failure:
+        rknn.compile_rknn([export_dir], None, "RK3588", options, "fp16", toolchain, out)
+    assert "\n" not in str(failure.value) and "rknn" in str(failure.value)
+    assert not out.exists()
