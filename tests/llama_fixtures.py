@@ -1,9 +1,10 @@
 """Tiny random-weight Llama-family checkpoints made with transformers (config.json + safetensors).
 
 Each config exercises one variant of the family: GQA with untied embeddings
-(Llama), QKV bias (Qwen2), tied embeddings (SmolLM2), llama3 RoPE scaling
-(Llama 3.2). Weights are drawn from a seeded generator and scaled up from HF's
-0.02 init so attention is not uniform and the parity checks have teeth.
+(Llama), QKV bias (Qwen2), tied embeddings (SmolLM2), q/k RMSNorm and head_dim
+apart from hidden/heads (Qwen3), llama3 RoPE scaling (Llama 3.2). Weights are
+drawn from a seeded generator and scaled up from HF's 0.02 init so attention is
+not uniform and the parity checks have teeth.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ TINY_CONFIGS = {
         "rope_theta": 100000.0,
         "tie_word_embeddings": True,
     },
+    "qwen3": {
+        "model_type": "qwen3",
+        "vocab_size": 70,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
     "llama3": {
         "model_type": "llama",
         "vocab_size": 64,
@@ -92,6 +107,7 @@ def make_checkpoint(kind: str, directory, seed: int = 0) -> Path:
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[model_type]
     config = config_cls(**settings)
     torch.manual_seed(seed)

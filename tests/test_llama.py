@@ -28,7 +28,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "kind, chunks, batch",
-    [("llama", 2, 1), ("qwen2", 1, 1), ("smollm2", 1, 2)],
+    [("llama", 2, 1), ("qwen2", 1, 1), ("smollm2", 1, 2), ("qwen3", 2, 1)],
 )
 def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, chunks, batch):
     checkpoint = checkpoints[kind]

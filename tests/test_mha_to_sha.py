@@ -25,11 +25,13 @@ CACHE_LEN = 64
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """MHA exports: Qwen2-style (bias, 6 heads / 2 kv heads) prefill in 2 chunks, and a
-    SmolLM2-like (4 heads / 1 kv head) decode graph with batch 2."""
+    """MHA exports: Qwen2-style (bias, 6 heads / 2 kv heads) prefill in 2 chunks, a
+    SmolLM2-like (4 heads / 1 kv head) decode graph with batch 2, and a Qwen3-style
+    (q/k RMSNorm) prefill."""
     root = tmp_path_factory.mktemp("sha")
     qwen = make_checkpoint("qwen2", root / "qwen2", seed=1)
     smol = make_checkpoint("smollm2", root / "smollm2", seed=2)
+    qwen3 = make_checkpoint("qwen3", root / "qwen3", seed=3)
     common = {"dtype": "fp32", "cache_len": CACHE_LEN}
     metas = {
         "qwen2-prefill": llama.export_llama(
@@ -38,12 +40,19 @@ def exports(tmp_path_factory):
         "smollm2-decode": llama.export_llama(
             smol, root / "sd", variant="decode", tokens=1, batch=2, **common
         ),
+        "qwen3-prefill": llama.export_llama(
+            qwen3, root / "q3", variant="prefill", tokens=4, **common
+        ),
     }
-    dirs = {"qwen2-prefill": root / "qp", "smollm2-decode": root / "sd"}
+    dirs = {
+        "qwen2-prefill": root / "qp",
+        "smollm2-decode": root / "sd",
+        "qwen3-prefill": root / "q3",
+    }
     return {
         key: (metas[key], [onnx.load(str(dirs[key] / g["file"])) for g in metas[key]["graphs"]])
         for key in metas
-    } | {"checkpoints": {"qwen2": qwen, "smollm2": smol}}
+    } | {"checkpoints": {"qwen2": qwen, "smollm2": smol, "qwen3": qwen3}}
 
 
 def random_feeds(meta, graph, seed=0):
@@ -139,7 +148,7 @@ def sha_problems(meta, graph, before, after) -> list[str]:
     return problems
 
 
-CASES = ["qwen2-prefill", "smollm2-decode"]
+CASES = ["qwen2-prefill", "smollm2-decode", "qwen3-prefill"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,15 +199,16 @@ def test_checks_catch_a_mis_sliced_head(exports, monkeypatch, target, broken, sy
     assert any(symptom in problem for problem in problems), problems
 
 
-def test_export_with_sha_matches_transformers(exports, tmp_path):
-    checkpoint = exports["checkpoints"]["qwen2"]
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_export_with_sha_matches_transformers(exports, tmp_path, kind):
+    checkpoint = exports["checkpoints"][kind]
     common = {"dtype": "fp32", "cache_len": CACHE_LEN, "sha": True}
     meta = llama.export_llama(
         checkpoint, tmp_path / "p", variant="prefill", tokens=PREFILL, **common
     )
     llama.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
     assert meta["options"]["sha"] is True
-    ids = np.random.default_rng(5).integers(0, TINY_CONFIGS["qwen2"]["vocab_size"], (1, 64))
+    ids = np.random.default_rng(5).integers(0, TINY_CONFIGS[kind]["vocab_size"], (1, 64))
     assert ids.shape[1] == PREFILL + DECODE_STEPS
     got = run_prefill_then_decode(tmp_path / "p", tmp_path / "d", ids)
     want = reference_logits(checkpoint, ids)

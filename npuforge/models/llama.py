@@ -52,7 +52,7 @@ from npuforge.fileio import atomic_path, sha256_file, write_json
 # exp(-1e4) is exactly 0 in fp32 and fp16.
 MASK_VALUE = -1.0e4
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_PREFILL_TOKENS = 16
 ONNX_OPSET = 17
 # Weights beyond this go to chunkN.onnx.data: protobuf cannot hold 2 GiB.
@@ -80,6 +80,7 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
     @property
     def group_size(self) -> int:
@@ -124,7 +125,7 @@ def load_config(checkpoint_dir) -> LlamaConfig:
     if heads % kv_heads:
         raise NpuforgeError(f"{path}: {heads} heads is not a multiple of {kv_heads} kv heads")
     theta, scaling = _rope_settings(raw)
-    # Qwen2 always has q/k/v bias and no o bias; Llama has one switch for all four.
+    # Qwen2 always has q/k/v bias and no o bias; Llama and Qwen3 have one switch for all four.
     is_qwen2 = model_type == "qwen2"
     attention_bias = bool(raw.get("attention_bias", False))
     return LlamaConfig(
@@ -142,6 +143,7 @@ def load_config(checkpoint_dir) -> LlamaConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
+        qk_norm=model_type == "qwen3",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
@@ -275,7 +277,7 @@ def write_synthetic_checkpoint(
     """Write a deterministic random-weight HF folder (config.json + model.safetensors).
 
     Same arguments -> byte-identical files; transformers loads the folder. arch is
-    "llama" or "qwen2" (QKV bias). Returns inspect_llama() of the result.
+    "llama", "qwen2" (QKV bias) or "qwen3" (q/k RMSNorm). Returns inspect_llama() of the result.
     """
     from safetensors.numpy import save_file
 
@@ -283,7 +285,11 @@ def write_synthetic_checkpoint(
         raise NpuforgeError(f"synthetic arch must be one of {SUPPORTED_MODEL_TYPES}, got {arch!r}")
     head_dim = head_dim or embed // heads
     config = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                arch
+            ]
+        ],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": embed,
@@ -316,6 +322,9 @@ def write_synthetic_checkpoint(
             pre + "mlp.up_proj.weight": (intermediate, embed),
             pre + "mlp.down_proj.weight": (embed, intermediate),
         }
+        if arch == "qwen3":
+            shapes[pre + "self_attn.q_norm.weight"] = (head_dim,)
+            shapes[pre + "self_attn.k_norm.weight"] = (head_dim,)
         if arch == "qwen2":
             for kind, width in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 shapes[pre + f"self_attn.{kind}_proj.bias"] = (width * head_dim,)
@@ -386,12 +395,19 @@ def _torch_modules():
             self.k_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
             self.o_proj = nn.Linear(self.heads * d, e, bias=cfg.o_bias)
+            if cfg.qk_norm:
+                self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+                self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.qk_norm = cfg.qk_norm
 
         def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
             b, t, _ = x.shape
             h, kv, d = self.heads, self.kv_heads, self.head_dim
-            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
-            k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, KV, T, D]
+            q = self.q_proj(x).view(b, t, h, d)
+            k = self.k_proj(x).view(b, t, kv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, KV, T, D]
             v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin

@@ -10,7 +10,7 @@ inside the graph and concatenates the updated heads back, so the graph keeps
 The pass matches exactly the attention that npuforge.models.llama exports under
 the node scope ``/layers.{i}/self_attn/``::
 
-    q = rope(Transpose(Reshape(x @ Wq (+ bq), [B,T,H,D])))          # likewise k; v without rope
+    q = rope(Transpose(Reshape(x @ Wq (+ bq), [B,T,H,D]) (-> RMSNorm)))  # likewise k; v: no rope
     k_out = k_cache * keep + write @ k           v_out = v_cache * keep + write @ v
     p = Softmax(Reshape(Reshape(q * scale, [B,KV,G*T,D]) @ Transpose(k_out), [B,H,T,L]) + mask)
     o_proj(Reshape(Transpose(Reshape(Reshape(p, [B,KV,G*T,L]) @ v_out, [B,H,T,D])), [B,T,H*D]))
@@ -19,6 +19,7 @@ and rewrites it as, for each query head h with kv head g = h // G::
 
     q_h = rope(x @ Wq[:, h] (+ bq[h])) * scale         (per-head projections, [B,T,D])
     k_g = rope(x @ Wk[:, g] (+ bk[g]))                  v_g = x @ Wv[:, g] (+ bv[g])
+    (Qwen3: an RMSNorm over head_dim between projection and rope, kept per head)
     kc_g = Slice(k_cache, g) * keep + write @ k_g       (likewise v; k_out = Concat_g kc_g)
     o_h = Softmax(q_h @ kc_g^T + mask) @ vc_g           o_proj input = Concat_h o_h
 
@@ -105,6 +106,7 @@ class _LayerMatch:
     layer: int
     x: str
     weights: dict  # "q"/"k"/"v" -> (weight [in, out], bias or None)
+    norms: dict  # "q"/"k"/"v" -> per-head RMSNorm {weight, eps, two, one} or None
     cos: str
     sin: str
     scale: np.ndarray
@@ -156,7 +158,10 @@ class _Matcher:
         return node.output[0]
 
     def projection(self, kind: str, x: str | None):
-        """x @ W (+ b) -> Reshape [B,T,heads,D] -> Transpose: (x, W, b, tensor, shape)."""
+        """x @ W (+ b) -> Reshape [B,T,heads,D] (-> RMSNorm) -> Transpose.
+
+        Returns (x, W, b, norm or None, transposed tensor, head shape).
+        """
         name = f"{self.scope}{kind}_proj/MatMul"
         mm = self.take(self.g.by_name.get(name), "MatMul", name)
         if x is not None and mm.input[0] != x:
@@ -174,8 +179,45 @@ class _Matcher:
         shape = self.reshape_to(reshape, None, f"{kind} head split")
         if len(shape) != 4 or shape[2] * shape[3] != weight.shape[1]:
             raise _Mismatch(f"{kind} head split to {shape} does not fit weight {weight.shape}")
-        heads = self.transpose(reshape.output[0], [0, 2, 1, 3], f"{kind} heads transpose")
-        return mm.input[0], weight, bias, heads, shape
+        split, norm = reshape.output[0], None
+        norm_scope = f"{self.scope}{kind}_norm/"
+        if any(n.name.startswith(norm_scope) for n in self.g.consumers.get(split, [])):
+            split, norm = self.head_norm(split, shape[3], f"{kind}_norm")
+        heads = self.transpose(split, [0, 2, 1, 3], f"{kind} heads transpose")
+        return mm.input[0], weight, bias, norm, heads, shape
+
+    def head_norm(self, tensor: str, head_dim: int, what: str):
+        """Qwen3's RMSNorm over head_dim: w * (t * 1 / sqrt(mean(t^2) + eps)) -> (out, norm)."""
+        users = self.g.consumers.get(tensor, [])
+        if sorted(n.op_type for n in users) != ["Mul", "Pow"]:
+            raise _Mismatch(f"{what}: expected Pow + Mul (RMSNorm) after {tensor}")
+        power = self.take(next(n for n in users if n.op_type == "Pow"), "Pow", what)
+        two = self.g.const(power.input[1], f"{what} exponent")
+        if power.input[0] != tensor or two.size != 1 or float(two) != 2.0:
+            raise _Mismatch(f"{what}: Pow is not a square of the heads")
+        mean = self.only_consumer(power.output[0], "ReduceMean", what)
+        axes = _attr(mean, "axes")
+        if axes is None and len(mean.input) > 1:
+            axes = self.g.const(mean.input[1], f"{what} axes").tolist()
+        if list(axes or []) not in ([-1], [3]) or _attr(mean, "keepdims", 1) != 1:
+            raise _Mismatch(f"{what}: mean is not over head_dim with keepdims")
+        add = self.only_consumer(mean.output[0], "Add", what)
+        eps = self.g.const(self.other_input(add, mean.output[0], what), f"{what} eps")
+        root = self.only_consumer(add.output[0], "Sqrt", what)
+        inverse = self.only_consumer(root.output[0], "Div", what)
+        one = self.g.const(inverse.input[0], f"{what} numerator")
+        if inverse.input[1] != root.output[0] or one.size != 1 or float(one) != 1.0:
+            raise _Mismatch(f"{what}: Div is not 1 / sqrt(...)")
+        scaled = self.only_consumer(inverse.output[0], "Mul", what)
+        if scaled is not next(n for n in users if n.op_type == "Mul"):
+            raise _Mismatch(f"{what}: the normalised product does not read the heads")
+        self.other_input(scaled, tensor, what)
+        weighted = self.only_consumer(scaled.output[0], "Mul", what)
+        weight = self.g.const(self.other_input(weighted, scaled.output[0], what), f"{what} weight")
+        if weight.shape != (head_dim,):
+            raise _Mismatch(f"{what}: weight shape {weight.shape}, expected ({head_dim},)")
+        norm = {"weight": weight, "eps": eps, "two": two, "one": one}
+        return weighted.output[0], norm
 
     def rope(self, tensor: str, head_dim: int, what: str):
         """t * cos + rotate_half(t) * sin -> (rotated, cos, sin)."""
@@ -228,9 +270,11 @@ class _Matcher:
         return mm.input[0], self.other_input(mul, cache, what), cache, add.output[0]
 
     def match(self) -> _LayerMatch:
-        x, wq, bq, q, q_shape = self.projection("q", None)
-        _, wk, bk, k, k_shape = self.projection("k", x)
-        _, wv, bv, v, v_shape = self.projection("v", x)
+        x, wq, bq, q_norm, q, q_shape = self.projection("q", None)
+        _, wk, bk, k_norm, k, k_shape = self.projection("k", x)
+        _, wv, bv, v_norm, v, v_shape = self.projection("v", x)
+        if v_norm is not None or (q_norm is None) != (k_norm is None):
+            raise _Mismatch("head norms must be on both q and k and not on v")
         b, t, h, d = q_shape
         kv = k_shape[2]
         if k_shape != [b, t, kv, d] or v_shape != k_shape or h % kv:
@@ -284,6 +328,7 @@ class _Matcher:
             layer=self.layer,
             x=x,
             weights={"q": (wq, bq), "k": (wk, bk), "v": (wv, bv)},
+            norms={"q": q_norm, "k": k_norm, "v": None},
             cos=cos,
             sin=sin,
             scale=scale.reshape(()),
@@ -341,7 +386,7 @@ class _Emitter:
         return out
 
 
-def _emit_sha(m: _LayerMatch, float_dtype) -> _Emitter:
+def _emit_sha(m: _LayerMatch, float_dtype, opset: int) -> _Emitter:
     dims = m.dims
     b, t, h, kv, d, length = (dims[k] for k in ("B", "T", "H", "KV", "D", "L"))
     group = h // kv
@@ -363,6 +408,20 @@ def _emit_sha(m: _LayerMatch, float_dtype) -> _Emitter:
         out = e.op("MatMul", [m.x, e.const(f"{tag}_proj.weight_t", w_h)], f"{tag}_proj")
         if b_h is not None:
             out = e.op("Add", [out, e.const(f"{tag}_proj.bias", b_h)], f"{tag}_bias")
+        norm = m.norms[kind]
+        if norm is not None:  # the same weights for every head: made once per layer
+            square = e.op("Pow", [out, e.const(f"{kind}_norm.two", norm["two"])], f"{tag}_sq")
+            if opset >= 18:
+                mean = e.op("ReduceMean", [square, last_axis], f"{tag}_mean", keepdims=1)
+            else:
+                mean = e.op("ReduceMean", [square], f"{tag}_mean", axes=[-1], keepdims=1)
+            var = e.op("Add", [mean, e.const(f"{kind}_norm.eps", norm["eps"])], f"{tag}_var")
+            root = e.op("Sqrt", [var], f"{tag}_root")
+            one = e.const(f"{kind}_norm.one", norm["one"])
+            inverse = e.op("Div", [one, root], f"{tag}_inv")
+            normed = e.op("Mul", [out, inverse], f"{tag}_normed")
+            weight = e.const(f"{kind}_norm.weight", norm["weight"])
+            out = e.op("Mul", [weight, normed], f"{tag}_norm")
         if not rope:
             return out
         lo = e.op("Slice", [out, *first_half, last_axis], f"{tag}_lo")
@@ -514,12 +573,13 @@ def convert(model, inplace: bool = False):
         matches.append(match)
 
     float_dtype = matches[0].weights["q"][0].dtype
+    opset = next(o.version for o in out.opset_import if o.domain in ("", "ai.onnx"))
     removed = {id(n) for m in matches for n in m.nodes}
     kept = [n for n in graph.node if id(n) not in removed]
     del graph.node[:]
     graph.node.extend(kept)
     for match in matches:
-        emitted = _emit_sha(match, float_dtype)
+        emitted = _emit_sha(match, float_dtype, opset)
         graph.node.extend(emitted.nodes)
         graph.initializer.extend(emitted.inits)
     _topological(graph)
