@@ -39,6 +39,8 @@ from npuforge.fileio import atomic_path, read_json, write_json
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
 DEFAULT_TEXT = DATA_DIR / "text"
 HELDOUT_TEXT = DATA_DIR / "heldout.txt"
+# Held-out tokens recorded in calibration.json for verification runs.
+VERIFY_TOKENS = 128
 # A zip entry's timestamp; fixed so .npz files are byte-deterministic.
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
@@ -263,6 +265,8 @@ def make_calibration_samples(
                 {"document": documents[d][0], "start": s, "capture_step": c} for d, s, c in plan
             ],
             "export": {"graphs": [{"file": g["file"], "sha256": g.get("sha256")} for g in graphs]},
+            # Held-out text for backends' recurrent verification runs (never calibrated on).
+            "tokens": [int(t) for t in heldout_tokens(VERIFY_TOKENS, meta["vocab_size"])],
             "chunks": chunks,
         }
         write_json(tmp / "calibration.json", record)
