@@ -145,6 +145,7 @@ def test_inspect_llama(checkpoints):
     info = llama.inspect_llama(checkpoints["smollm2"])
     c = TINY_CONFIGS["smollm2"]
     assert info["tied"] is True and info["kv_heads"] == 1 and info["head_dim"] == 8
+    assert (info["dtype"], info["vocab_size"], info["n_heads"]) == ("fp32", c["vocab_size"], 4)
     e, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], 3
     attention = e * e * 2 + 2 * e * 8  # q, o and one kv head of k, v
     expected = v * e + n * (attention + 3 * e * f + 2 * e) + e

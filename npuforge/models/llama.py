@@ -220,13 +220,14 @@ def inspect_llama(checkpoint_dir) -> dict:
     from safetensors import safe_open
 
     cfg = load_config(checkpoint_dir)
-    n_params = 0
-    has_lm_head = False
+    n_params, dtypes = 0, set()
     for file in safetensors_files(checkpoint_dir):
         with safe_open(str(file), framework="numpy") as handle:
             for name in handle.keys():
-                n_params += int(np.prod(handle.get_slice(name).get_shape()))
-                has_lm_head |= name == "lm_head.weight"
+                tensor = handle.get_slice(name)
+                n_params += int(np.prod(tensor.get_shape()))
+                dtypes.add(tensor.get_dtype())
+    short = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
     return {
         "family": "llama",
         "arch": cfg.model_type,
@@ -237,8 +238,12 @@ def inspect_llama(checkpoint_dir) -> dict:
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
         "vocab": cfg.vocab_size,
+        # the same facts under the RWKV info.json names, for generic consumers
+        "vocab_size": cfg.vocab_size,
+        "n_heads": cfg.num_heads,
+        "dtype": short.get(min(dtypes), min(dtypes)) if len(dtypes) == 1 else "mixed",
         "n_params": n_params,
-        "tied": cfg.tie_word_embeddings and not has_lm_head,
+        "tied": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
 
