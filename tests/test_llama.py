@@ -1,5 +1,6 @@
 """Llama family: parity of the exported static graphs with transformers."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -60,7 +61,7 @@ def test_ext_embedding_and_fp16_exports(checkpoints, tmp_path):
     assert plain["tokens_per_call"] == 1 and plain["embedding"] is None
     assert ext["embedding"]["rows"] == TINY_CONFIGS["llama"]["vocab_size"]
     assert ext["graphs"][0]["inputs"][0]["role"] == "embedding"
-    assert half["graphs"][0]["inputs"][3]["dtype"] == "float16"
+    assert {s["dtype"] for s in half["graphs"][0]["inputs"][1:]} == {"float16"}
 
     def decode(export_dir):
         state, chain = {}, OrtChain(export_dir)
@@ -86,11 +87,12 @@ def test_llama3_rope_scaling_matches_transformers(checkpoints):
     model = llama.build_model(cfg, llama.load_state_dict(checkpoint), cache_len=40)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 40))
     caches = [torch.zeros(1, cfg.num_kv_heads, 40, cfg.head_dim) for _ in range(2)]
+    host = llama.host_inputs(cfg, batch=1, tokens=40, cache_len=40, position=0)
     with torch.no_grad():
         got, _ = model(
             torch.from_numpy(ids),
-            torch.from_numpy(llama.position_ids(1, 40, 0)),
-            torch.from_numpy(llama.attention_mask(1, 40, 40, 0)),
+            *(torch.from_numpy(host[role]) for role in ("mask", "rope_cos", "rope_sin")),
+            torch.from_numpy(host["cache_write"]),
             caches,
         )
     want = reference_logits(checkpoint, ids)
@@ -108,10 +110,10 @@ def test_export_json_describes_graph_io(checkpoints, tmp_path):
     assert [g["layers"] for g in meta["graphs"]] == [[0, 1], [1, 2]]
     first, last = meta["graphs"]
     roles = [spec["role"] for spec in first["inputs"]]
-    assert roles == ["tokens", "position", "mask", "state", "state"]
+    assert roles == ["tokens", "mask", "rope_cos", "rope_sin", "cache_write", "state", "state"]
     assert [spec["role"] for spec in last["outputs"]] == ["logits", "state", "state"]
     assert first["outputs"][0]["name"] == "hidden_out" and last["inputs"][0]["name"] == "hidden_in"
-    cache = first["inputs"][3]
+    cache = first["inputs"][5]
     assert cache["shape"] == [1, 2, 32, 8] and cache["output"] == "cache_0_k_out"
     for graph in meta["graphs"]:
         proto = onnx.load(str(tmp_path / "out" / graph["file"]))
@@ -122,12 +124,19 @@ def test_export_json_describes_graph_io(checkpoints, tmp_path):
         for spec in graph["inputs"] + graph["outputs"]:
             assert shapes[spec["name"]] == spec["shape"]
         assert [v.name for v in proto.graph.input] == [s["name"] for s in graph["inputs"]]
+        # Position bookkeeping lives on the host: no integer compares or table gathers.
+        ops = [n.op_type for n in proto.graph.node]
+        assert "Equal" not in ops and ops.count("Gather") == (graph["layers"][0] == 0)
 
 
-def test_extra_inputs_position_and_mask():
-    meta = {"batch": 2, "tokens_per_call": 3, "cache_len": 6}
-    spec = {"name": "attention_mask", "dtype": "float32", "role": "mask"}
-    mask = llama.extra_inputs(meta, spec, 2)
+def test_extra_inputs_mask_rope_and_cache_write(checkpoints):
+    cfg = llama.load_config(checkpoints["llama"])  # head_dim 16
+    meta = {"batch": 2, "tokens_per_call": 3, "cache_len": 6, "config": dataclasses.asdict(cfg)}
+
+    def value(role, dtype="float32"):
+        return llama.extra_inputs(meta, {"name": role, "dtype": dtype, "role": role}, 2)
+
+    mask = value("mask")
     assert mask.shape == (2, 1, 3, 6) and mask.dtype == np.float32
     # token at absolute position 2 sees slots 0..2; position 4 sees 0..4
     assert (mask[0, 0] == 0).tolist() == [
@@ -135,10 +144,20 @@ def test_extra_inputs_position_and_mask():
         [True, True, True, True, False, False],
         [True, True, True, True, True, False],
     ]
-    ids = llama.extra_inputs(meta, {"name": "position_ids", "role": "position"}, 2)
-    assert ids.tolist() == [[2, 3, 4], [2, 3, 4]] and ids.dtype == np.int64
+    write = value("cache_write")
+    assert write.shape == (2, 1, 6, 3)
+    assert write[1, 0].T.tolist() == [[0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0]]
+    cos, sin = value("rope_cos"), value("rope_sin", "float16")
+    assert cos.shape == (2, 1, 3, 16) and sin.dtype == np.float16
+    # position 3, frequency pair 1: angle 3 * theta^(-2/16)
+    angle = 3 * cfg.rope_theta ** (-2 / 16)
+    assert cos[0, 0, 1, 1] == pytest.approx(np.cos(angle), abs=1e-6)
+    assert cos[0, 0, 1, 9] == cos[0, 0, 1, 1]  # halves duplicated, HF layout
+    assert float(sin[0, 0, 1, 1]) == pytest.approx(np.sin(angle), abs=1e-3)
     with pytest.raises(NpuforgeError, match="exceeds the exported cache"):
-        llama.extra_inputs(meta, spec, 4)
+        llama.extra_inputs(meta, {"name": "attention_mask", "role": "mask"}, 4)
+    with pytest.raises(NpuforgeError, match="no input role 'position'"):
+        llama.extra_inputs(meta, {"name": "position_ids", "role": "position"}, 0)
 
 
 def test_inspect_llama(checkpoints):

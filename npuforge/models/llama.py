@@ -11,23 +11,26 @@ or AR-1 decode) against a fixed-size KV cache.
 
 KV cache (one K and one V tensor per layer, [batch, kv_heads, cache_len, head_dim])
 is explicit graph I/O. The update is mask based, never a shift: the graph takes
-the whole cache and returns the whole cache with the new entries written at the
-absolute positions given by ``position_ids``::
+the whole cache and returns the whole cache with the new entries written at
+their absolute positions, chosen by the one-hot ``cache_write`` input::
 
-    write = (position_ids[:, None, :] == arange(cache_len)[:, None])   # [B, L, T]
-    cache_out = cache * (1 - write.sum(-1)) + write @ new_entries
+    cache_write[b, 0, l, t] = 1 if l == position + t                  # [B, 1, L, T]
+    cache_out = cache * (1 - cache_write.sum(-1)) + cache_write @ new_entries
 
 so a runner feeds ``cache_out`` back as ``cache`` unchanged. Attention runs over
-the updated cache; the additive ``attention_mask`` input hides every slot at or
-beyond the query's own position + 1 (stale or empty slots).
+the updated cache; the additive ``attention_mask`` input hides every slot beyond
+the query's own position (stale or empty slots).
 
-Extra graph inputs (roles beyond tokens/hidden/state/logits):
+Extra graph inputs (roles beyond tokens/embedding/hidden/state/logits), all in
+the graph dtype and all built by ``extra_inputs`` / ``host_inputs`` from the
+absolute position of the call's first token:
 
-    position_ids    [batch, tokens] int64           role "position"
     attention_mask  [batch, 1, tokens, cache_len]   role "mask" (0 or MASK_VALUE)
+    rope_cos        [batch, 1, tokens, head_dim]    role "rope_cos"
+    rope_sin        [batch, 1, tokens, head_dim]    role "rope_sin"
+    cache_write     [batch, 1, cache_len, tokens]   role "cache_write"
 
-``extra_inputs`` builds both for a runner from the absolute position of the
-first token of the call.
+The graphs hold no integer ops apart from the token Gather.
 
 The attention of layer i is exported under the ONNX name scope
 ``/layers.{i}/self_attn/`` with projections ``q_proj``/``k_proj``/``v_proj``/
@@ -55,6 +58,15 @@ MASK_VALUE = -1.0e4
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_PREFILL_TOKENS = 16
 ONNX_OPSET = 17
+# Position-dependent inputs the host computes per call (role -> graph input name).
+# Keeping RoPE gathers and the cache-slot one-hot out of the graph leaves only float
+# ops inside, which NPUs run without CPU fallback.
+HOST_ROLES = {
+    "mask": "attention_mask",
+    "rope_cos": "rope_cos",
+    "rope_sin": "rope_sin",
+    "cache_write": "cache_write",
+}
 # Weights beyond this go to chunkN.onnx.data: protobuf cannot hold 2 GiB.
 EXTERNAL_DATA_BYTES = 1_800_000_000
 
@@ -170,10 +182,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return np.where(medium, blended, scaled)
 
 
-def rope_tables(cfg: LlamaConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables [length, head_dim] (float32), halves duplicated as in HF."""
+def rope_rows(cfg: LlamaConfig, positions) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [len(positions), head_dim] (float32), halves duplicated as in HF."""
     inv_freq = rope_inv_freq(cfg).astype(np.float32)
-    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -466,30 +478,23 @@ def _torch_modules():
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
-            cos, sin = rope_tables(cfg, cache_len)
-            self.register_buffer("rope_cos", torch.from_numpy(cos), persistent=False)
-            self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
-            # device="cpu": the module may be built on the meta device (see build_model)
-            self.register_buffer("slots", torch.arange(cache_len, device="cpu"), persistent=False)
 
-        def forward(self, x, position_ids, attention_mask, caches, first=0, last=None, embed=None):
-            """x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
+        def forward(self, x, mask, cos, sin, write, caches, first=0, last=None, embed=None):
+            """One call of layers [first, last); the position-dependent inputs come from
+            ``host_inputs`` (mask [B,1,T,L], cos/sin [B,1,T,D], write [B,1,L,T]).
 
+            x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
             caches: [k_0, v_0, k_1, v_1, ...] for layers first..last-1.
             Returns (hidden or logits, updated caches in the same order).
             """
             last = self.cfg.num_layers if last is None else last
             if first == 0 if embed is None else embed:
                 x = self.embed_tokens(x)
-            cos = self.rope_cos[position_ids].unsqueeze(1)  # [B, 1, T, D]
-            sin = self.rope_sin[position_ids].unsqueeze(1)
-            write = (self.slots[None, :, None] == position_ids[:, None, :]).to(x.dtype)
-            keep = 1.0 - write.sum(-1, keepdim=True)
-            write, keep = write.unsqueeze(1), keep.unsqueeze(1)  # [B,1,L,T], [B,1,L,1]
+            keep = 1.0 - write.sum(-1, keepdim=True)  # [B, 1, L, 1]: slots not written now
             new_caches = []
             for offset, layer in enumerate(self.layers[first:last]):
                 x, k, v = layer(
-                    x, cos, sin, write, keep, attention_mask, *caches[2 * offset : 2 * offset + 2]
+                    x, cos, sin, write, keep, mask, *caches[2 * offset : 2 * offset + 2]
                 )
                 new_caches += [k, v]
             if last == self.cfg.num_layers:
@@ -540,33 +545,45 @@ def load_llama(checkpoint_dir, cache_len: int):
 # --------------------------------------------------------------------------- runner inputs
 
 
-def position_ids(batch: int, tokens: int, position: int) -> np.ndarray:
-    ids = np.arange(position, position + tokens, dtype=np.int64)
-    return np.broadcast_to(ids, (batch, tokens)).copy()
+def host_inputs(cfg: LlamaConfig, *, batch, tokens, cache_len, position, dtype=np.float32):
+    """The position-dependent graph inputs of one call, by role.
 
-
-def attention_mask(batch: int, tokens: int, cache_len: int, position: int, dtype=np.float32):
-    """Additive mask: query t (absolute position+t) sees cache slots 0..position+t."""
-    visible = np.arange(cache_len)[None, :] <= (position + np.arange(tokens))[:, None]
-    mask = np.where(visible, 0.0, MASK_VALUE).astype(dtype)
-    return np.broadcast_to(mask, (batch, 1, tokens, cache_len)).copy()
-
-
-def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarray:
-    """Value of a llama-specific graph input for a call whose first token is at ``position``."""
-    batch, tokens = export_meta["batch"], export_meta["tokens_per_call"]
-    cache_len = export_meta["cache_len"]
+    mask        [B, 1, T, L]  0 where slot <= position + t, else MASK_VALUE (causal + unused)
+    rope_cos    [B, 1, T, D]  RoPE cos/sin rows of positions position..position+T-1
+    rope_sin    [B, 1, T, D]
+    cache_write [B, 1, L, T]  one-hot: slot position+t receives this call's token t
+    """
     if position < 0 or position + tokens > cache_len:
         raise NpuforgeError(
             f"position {position} + {tokens} tokens exceeds the exported cache of {cache_len}; "
             "export with a larger cache_len or shorten the run"
         )
+    positions = position + np.arange(tokens)
+    slots = np.arange(cache_len)
+    mask = np.where(slots[None, :] <= positions[:, None], 0.0, MASK_VALUE)
+    cos, sin = rope_rows(cfg, positions)
+    write = (slots[:, None] == positions[None, :]).astype(np.float64)
+    values = {"mask": mask, "rope_cos": cos, "rope_sin": sin, "cache_write": write}
+    return {
+        role: np.broadcast_to(value.astype(dtype), (batch, 1, *value.shape)).copy()
+        for role, value in values.items()
+    }
+
+
+def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarray:
+    """Value of a llama-specific graph input for a call whose first token is at ``position``."""
     role = input_spec.get("role")
-    if role == "position":
-        return position_ids(batch, tokens, position)
-    if role == "mask":
-        return attention_mask(batch, tokens, cache_len, position, np.dtype(input_spec["dtype"]))
-    raise NpuforgeError(f"llama graphs have no input role {role!r} ({input_spec.get('name')})")
+    if role not in HOST_ROLES:
+        raise NpuforgeError(f"llama graphs have no input role {role!r} ({input_spec.get('name')})")
+    values = host_inputs(
+        LlamaConfig(**export_meta["config"]),
+        batch=export_meta["batch"],
+        tokens=export_meta["tokens_per_call"],
+        cache_len=export_meta["cache_len"],
+        position=position,
+        dtype=np.dtype(input_spec.get("dtype", "float32")),
+    )
+    return values[role]
 
 
 # --------------------------------------------------------------------------- export
@@ -591,14 +608,15 @@ def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embed
     else:
         shape = [batch, tokens, cfg.hidden_size]
         inputs = [{"name": "hidden_in", "shape": shape, "dtype": fdt, "role": "hidden"}]
+    host_shapes = {
+        "mask": [batch, 1, tokens, cache_len],
+        "rope_cos": [batch, 1, tokens, cfg.head_dim],
+        "rope_sin": [batch, 1, tokens, cfg.head_dim],
+        "cache_write": [batch, 1, cache_len, tokens],
+    }
     inputs += [
-        {"name": "position_ids", "shape": [batch, tokens], "dtype": "int64", "role": "position"},
-        {
-            "name": "attention_mask",
-            "shape": [batch, 1, tokens, cache_len],
-            "dtype": fdt,
-            "role": "mask",
-        },
+        {"name": HOST_ROLES[role], "shape": shape, "dtype": fdt, "role": role}
+        for role, shape in host_shapes.items()
     ]
     if last == cfg.num_layers:
         shape = [batch, tokens, cfg.vocab_size]
@@ -630,9 +648,9 @@ def _export_chunk(model, first, last, inputs, outputs, scratch):
             super().__init__()
             self.model = model
 
-        def forward(self, x, position, mask, *caches):
+        def forward(self, x, mask, cos, sin, write, *caches):
             embed = inputs[0]["role"] == "tokens"
-            y, new_caches = self.model(x, position, mask, list(caches), first, last, embed)
+            y, new_caches = self.model(x, mask, cos, sin, write, list(caches), first, last, embed)
             return (y, *new_caches)
 
     examples = []
