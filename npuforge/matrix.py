@@ -32,12 +32,19 @@ class Plan:
     exports: dict = field(default_factory=dict)
     # (model, target) -> export keys in variant order (decode first)
     target_exports: dict = field(default_factory=dict)
+    # (model, export key) -> the decode export checked together with it (itself for decode)
+    verify_partner: dict = field(default_factory=dict)
 
     def export_keys(self, model: str, target: str) -> list[str]:
         return self.target_exports[(model, target)]
 
     def export_options(self, model: str, key: str) -> dict:
         return self.exports[(model, key)]
+
+    def verify_exports(self, model: str, key: str) -> list[str]:
+        """Export keys verify_onnx takes for ``key``: the decode export first."""
+        partner = self.verify_partner[(model, key)]
+        return [key] if partner == key else [partner, key]
 
     def needs_calibration(self, target: str, precision: str) -> bool:
         spec = self.targets[target]["precisions"].get(precision) or {}
@@ -178,6 +185,9 @@ def make_plan(config: dict, models: dict, targets: dict) -> Plan:
             plan.exports[(build.model, key)] = options
             keys.append(key)
         plan.target_exports[pair] = keys
+        for key in keys:
+            # A prefill export is checked by continuing its state in the decode graphs.
+            plan.verify_partner.setdefault((build.model, key), keys[0])
     return plan
 
 

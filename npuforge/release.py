@@ -208,8 +208,9 @@ def write_deterministic_tarball(directory, tarball, arcroot: str) -> None:
     mtime = source_date_epoch()
     paths = sorted(directory.rglob("*"), key=lambda p: p.relative_to(directory).as_posix())
     with atomic_path(tarball) as tmp, open(tmp, "wb") as raw:
-        # filename="" and mtime=0 keep the gzip header free of names and times.
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+        # filename="" and mtime=0 keep the gzip header free of names and times. Level 1:
+        # weights barely compress (level 9 saves ~1% here at 4x the time).
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as gz:
             with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 tar.addfile(_tar_info(arcroot, tarfile.DIRTYPE, 0o755, 0, mtime))
                 for path in paths:

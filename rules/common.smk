@@ -144,7 +144,7 @@ def release_outputs():
     outputs = []
     for build in PLAN.builds:
         path = release_dir(build.model, build.target, build.precision)
-        outputs += [path, f"{path}.tar.gz"]
+        outputs += [f"{path}/manifest.json", f"{path}/SHA256SUMS", f"{path}.tar.gz"]
     return outputs
 
 

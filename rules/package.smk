@@ -2,7 +2,10 @@ rule package:
     input:
         unpack(package_inputs),
     output:
-        bundle=directory(f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}"),
+        # The bundle directory is written whole by the step; naming its two index
+        # files (not the directory) keeps Snakemake's timestamp file out of releases.
+        manifest=f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}/manifest.json",
+        sums=f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}/SHA256SUMS",
         tarball=f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}.tar.gz",
     log:
         f"{RESULTS}/logs/package/{{model}}/{{target}}/{{precision}}.log",
@@ -19,4 +22,4 @@ rule package:
             f"--export-verification {f}" for f in input.verify
         ),
     shell:
-        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} --tokenizer {input.tokenizer} --fetch-record {input.fetch_record} --out-dir {output.bundle} --tarball {output.tarball} > {log} 2>&1"
+        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} --tokenizer {input.tokenizer} --fetch-record {input.fetch_record} --out-dir $(dirname {output.manifest}) --tarball {output.tarball} > {log} 2>&1"

@@ -1,3 +1,4 @@
+# rwkv-world: the World vocabulary (rwkv_vocab_v20230424) shipped in the rwkv package.
 rule tokenizer:
     output:
         f"{RESULTS}/tokenizer/{{tokenizer}}/tokenizer.bin",
@@ -9,4 +10,4 @@ rule tokenizer:
     resources:
         mem_mb=1000,
     shell:
-        "python workflow_scripts/convert_tokenizer.py --tokenizer {wildcards.tokenizer} --out {output} > {log} 2>&1"
+        "python workflow_scripts/convert_tokenizer.py --out {output} > {log} 2>&1"

@@ -2,7 +2,9 @@
 rule verify_onnx:
     input:
         checkpoint=lambda w: checkpoint_path(w.model),
-        export=f"{RESULTS}/export/{{model}}/{{key}}",
+        exports=lambda w: [
+            export_dir(w.model, key) for key in PLAN.verify_exports(w.model, w.key)
+        ],
     output:
         f"{RESULTS}/verify/{{model}}/{{key}}.json",
     log:
@@ -14,5 +16,6 @@ rule verify_onnx:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
         tokens=config["verify"]["tokens"],
+        exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
     shell:
-        "python workflow_scripts/verify_onnx.py --checkpoint {input.checkpoint} --export {input.export} --tokens {params.tokens} --out {output} > {log} 2>&1"
+        "python workflow_scripts/verify_onnx.py --checkpoint {input.checkpoint} {params.exports} --tokens {params.tokens} --out {output} > {log} 2>&1"

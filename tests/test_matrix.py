@@ -150,3 +150,12 @@ def test_registries_are_not_mutated_by_planning():
     before = copy.deepcopy(TARGETS)
     make_plan(selection(target="all", precision=""), MODELS, TARGETS)
     assert TARGETS == before
+
+
+def test_prefill_export_is_verified_with_its_decode_partner():
+    plan = make_plan(selection(target="BM1684X,onnx"), MODELS, TARGETS)
+    decode, prefill = plan.export_keys("rwkv7-demo", "BM1684X")
+    assert plan.verify_exports("rwkv7-demo", decode) == [decode]
+    assert plan.verify_exports("rwkv7-demo", prefill) == [decode, prefill]
+    onnx = plan.export_keys("rwkv7-demo", "onnx")[0]
+    assert plan.verify_exports("rwkv7-demo", onnx) == [onnx]

@@ -77,9 +77,15 @@ def compile_reference(
 
 
 def verify_against_reference(checkpoint, export_dir: Path, steps: int) -> dict:
-    from npuforge import verify
+    from npuforge.verify import verify_export
 
-    return verify.compare_with_reference(checkpoint, export_dir, steps=steps)
+    report = verify_export([export_dir], checkpoint=checkpoint, steps=steps, reference="rwkv")
+    if report["nan_inf"]:
+        raise NpuforgeError(
+            f"the reference graphs gave {report['nan_inf']} NaN/inf logits over {steps} steps; "
+            "check the checkpoint and the export"
+        )
+    return report
 
 
 def _versions() -> dict:
