@@ -93,6 +93,7 @@ def test_llama3_rope_scaling_matches_transformers(checkpoints):
             torch.from_numpy(ids),
             *(torch.from_numpy(host[role]) for role in ("mask", "rope_cos", "rope_sin")),
             torch.from_numpy(host["cache_write"]),
+            torch.from_numpy(host["cache_keep"]),
             caches,
         )
     want = reference_logits(checkpoint, ids)
@@ -110,10 +111,11 @@ def test_export_json_describes_graph_io(checkpoints, tmp_path):
     assert [g["layers"] for g in meta["graphs"]] == [[0, 1], [1, 2]]
     first, last = meta["graphs"]
     roles = [spec["role"] for spec in first["inputs"]]
-    assert roles == ["tokens", "mask", "rope_cos", "rope_sin", "cache_write", "state", "state"]
+    host_roles = ["mask", "rope_cos", "rope_sin", "cache_write", "cache_keep"]
+    assert roles == ["tokens", *host_roles, "state", "state"]
     assert [spec["role"] for spec in last["outputs"]] == ["logits", "state", "state"]
     assert first["outputs"][0]["name"] == "hidden_out" and last["inputs"][0]["name"] == "hidden_in"
-    cache = first["inputs"][5]
+    cache = first["inputs"][6]
     assert cache["shape"] == [1, 2, 32, 8] and cache["output"] == "cache_0_k_out"
     for graph in meta["graphs"]:
         proto = onnx.load(str(tmp_path / "out" / graph["file"]))
@@ -147,6 +149,7 @@ def test_extra_inputs_mask_rope_and_cache_write(checkpoints):
     write = value("cache_write")
     assert write.shape == (2, 1, 6, 3)
     assert write[1, 0].T.tolist() == [[0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0]]
+    assert value("cache_keep")[0, 0, :, 0].tolist() == [1, 1, 0, 0, 0, 1]
     cos, sin = value("rope_cos"), value("rope_sin", "float16")
     assert cos.shape == (2, 1, 3, 16) and sin.dtype == np.float16
     # position 3, frequency pair 1: angle 3 * theta^(-2/16)

@@ -15,7 +15,8 @@ the whole cache and returns the whole cache with the new entries written at
 their absolute positions, chosen by the one-hot ``cache_write`` input::
 
     cache_write[b, 0, l, t] = 1 if l == position + t                  # [B, 1, L, T]
-    cache_out = cache * (1 - cache_write.sum(-1)) + cache_write @ new_entries
+    cache_keep = 1 - cache_write.sum(-1)                              # [B, 1, L, 1]
+    cache_out = cache * cache_keep + cache_write @ new_entries
 
 so a runner feeds ``cache_out`` back as ``cache`` unchanged. Attention runs over
 the updated cache; the additive ``attention_mask`` input hides every slot beyond
@@ -29,6 +30,7 @@ absolute position of the call's first token:
     rope_cos        [batch, 1, tokens, head_dim]    role "rope_cos"
     rope_sin        [batch, 1, tokens, head_dim]    role "rope_sin"
     cache_write     [batch, 1, cache_len, tokens]   role "cache_write"
+    cache_keep      [batch, 1, cache_len, 1]        role "cache_keep"
 
 The graphs hold no integer ops apart from the token Gather.
 
@@ -66,6 +68,7 @@ HOST_ROLES = {
     "rope_cos": "rope_cos",
     "rope_sin": "rope_sin",
     "cache_write": "cache_write",
+    "cache_keep": "cache_keep",
 }
 # Weights beyond this go to chunkN.onnx.data: protobuf cannot hold 2 GiB.
 EXTERNAL_DATA_BYTES = 1_800_000_000
@@ -479,9 +482,9 @@ def _torch_modules():
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
 
-        def forward(self, x, mask, cos, sin, write, caches, first=0, last=None, embed=None):
+        def forward(self, x, mask, cos, sin, write, keep, caches, first=0, last=None, embed=None):
             """One call of layers [first, last); the position-dependent inputs come from
-            ``host_inputs`` (mask [B,1,T,L], cos/sin [B,1,T,D], write [B,1,L,T]).
+            ``host_inputs`` (mask [B,1,T,L], cos/sin [B,1,T,D], write [B,1,L,T], keep [B,1,L,1]).
 
             x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
             caches: [k_0, v_0, k_1, v_1, ...] for layers first..last-1.
@@ -490,7 +493,6 @@ def _torch_modules():
             last = self.cfg.num_layers if last is None else last
             if first == 0 if embed is None else embed:
                 x = self.embed_tokens(x)
-            keep = 1.0 - write.sum(-1, keepdim=True)  # [B, 1, L, 1]: slots not written now
             new_caches = []
             for offset, layer in enumerate(self.layers[first:last]):
                 x, k, v = layer(
@@ -545,13 +547,23 @@ def load_llama(checkpoint_dir, cache_len: int):
 # --------------------------------------------------------------------------- runner inputs
 
 
-def host_inputs(cfg: LlamaConfig, *, batch, tokens, cache_len, position, dtype=np.float32):
+def host_inputs(
+    cfg: LlamaConfig,
+    *,
+    batch,
+    tokens,
+    cache_len,
+    position,
+    dtype=np.float32,
+    mask_value=MASK_VALUE,
+):
     """The position-dependent graph inputs of one call, by role.
 
-    mask        [B, 1, T, L]  0 where slot <= position + t, else MASK_VALUE (causal + unused)
+    mask        [B, 1, T, L]  0 where slot <= position + t, else mask_value (causal + unused)
     rope_cos    [B, 1, T, D]  RoPE cos/sin rows of positions position..position+T-1
     rope_sin    [B, 1, T, D]
     cache_write [B, 1, L, T]  one-hot: slot position+t receives this call's token t
+    cache_keep  [B, 1, L, 1]  1 - cache_write.sum(-1): slots that keep their old entry
     """
     if position < 0 or position + tokens > cache_len:
         raise NpuforgeError(
@@ -560,10 +572,17 @@ def host_inputs(cfg: LlamaConfig, *, batch, tokens, cache_len, position, dtype=n
         )
     positions = position + np.arange(tokens)
     slots = np.arange(cache_len)
-    mask = np.where(slots[None, :] <= positions[:, None], 0.0, MASK_VALUE)
+    mask = np.where(slots[None, :] <= positions[:, None], 0.0, mask_value)
     cos, sin = rope_rows(cfg, positions)
     write = (slots[:, None] == positions[None, :]).astype(np.float64)
-    values = {"mask": mask, "rope_cos": cos, "rope_sin": sin, "cache_write": write}
+    keep = 1.0 - write.sum(-1, keepdims=True)
+    values = {
+        "mask": mask,
+        "rope_cos": cos,
+        "rope_sin": sin,
+        "cache_write": write,
+        "cache_keep": keep,
+    }
     return {
         role: np.broadcast_to(value.astype(dtype), (batch, 1, *value.shape)).copy()
         for role, value in values.items()
@@ -582,6 +601,7 @@ def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarr
         cache_len=export_meta["cache_len"],
         position=position,
         dtype=np.dtype(input_spec.get("dtype", "float32")),
+        mask_value=export_meta.get("options", {}).get("mask_value", MASK_VALUE),
     )
     return values[role]
 
@@ -613,6 +633,7 @@ def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embed
         "rope_cos": [batch, 1, tokens, cfg.head_dim],
         "rope_sin": [batch, 1, tokens, cfg.head_dim],
         "cache_write": [batch, 1, cache_len, tokens],
+        "cache_keep": [batch, 1, cache_len, 1],
     }
     inputs += [
         {"name": HOST_ROLES[role], "shape": shape, "dtype": fdt, "role": role}
@@ -648,9 +669,10 @@ def _export_chunk(model, first, last, inputs, outputs, scratch):
             super().__init__()
             self.model = model
 
-        def forward(self, x, mask, cos, sin, write, *caches):
+        def forward(self, x, mask, cos, sin, write, keep, *caches):
             embed = inputs[0]["role"] == "tokens"
-            y, new_caches = self.model(x, mask, cos, sin, write, list(caches), first, last, embed)
+            host = (mask, cos, sin, write, keep)
+            y, new_caches = self.model(x, *host, list(caches), first, last, embed)
             return (y, *new_caches)
 
     examples = []
@@ -739,6 +761,7 @@ def export_llama(
     sha: bool = False,
     ext_embedding: bool = False,
     external_data: bool | None = None,
+    mask_value: float = MASK_VALUE,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -747,7 +770,8 @@ def export_llama(
     (npuforge.export layout) and the first chunk takes rows of it (role "embedding").
     cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
     MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk. external_data: weights
-    in chunkN.onnx.data (None: only past the 2 GB protobuf limit).
+    in chunkN.onnx.data (None: only past the 2 GB protobuf limit). mask_value: the
+    additive mask of hidden slots, recorded in export.json for the runner.
     """
     import torch
 
@@ -838,7 +862,7 @@ def export_llama(
             "options": {
                 "sha": sha,
                 "ext_embedding": ext_embedding,
-                "mask_value": MASK_VALUE,
+                "mask_value": float(mask_value),
                 "opset": ONNX_OPSET,
             },
             "embedding": embedding,
