@@ -16,9 +16,12 @@ For each chunk of a decode export this module
    (CPU-fallback count) and how the model was split.
 
 Reproducible bytes: rknn-toolkit2 writes heap memory it allocated but never
-initialised into the .rknn file (bytes differ run to run at the same offsets;
-with glibc's ``MALLOC_PERTURB_`` set they become a fixed pattern, 0xaa for 85).
-Every job runs with ``MALLOC_PERTURB_=85``, natively and in containers.
+initialised (fixed by glibc's ``MALLOC_PERTURB_``: 0xaa for 85) and raw heap
+addresses (fixed by turning off address-space randomisation for the job, one
+malloc arena, one CPU) into the .rknn file; ``rknn_job.py`` sets this up and
+reports whether randomisation was off (``aslr_disabled`` in compile.json).
+Containers need ``--security-opt seccomp=unconfined`` (or a profile allowing
+``personality(ADDR_NO_RANDOMIZE)``) for that.
 
 No heavy imports at module level: the toolchain module imports this one while
 Snakemake parses the workflow.
@@ -182,6 +185,10 @@ def build_spec(graph, chunk, paths, target_options, precision, dataset, steps) -
         "quantized_algorithm": str(target_options.get("quantized_algorithm", "normal")),
         "optimization_level": int(target_options.get("optimization_level", 3)),
         "dataset": str(dataset) if dataset else None,
+        # The toolkit's automatic hybrid quantization: layers whose int8 output falls
+        # below the cosine threshold against float stay in fp16.
+        "auto_hybrid": bool(target_options.get("auto_hybrid", False)),
+        "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
         "inputs": [
             {k: spec[k] for k in ("name", "shape", "role", "output") if k in spec}
             for spec in graph["inputs"]
@@ -277,7 +284,7 @@ def compile_rknn(
         staging.mkdir(parents=True)
         work = staging / "work"
         work.mkdir()
-        artifacts, placements, rewrites = [], [], []
+        artifacts, placements, rewrites, aslr_disabled = [], [], [], []
         previous_outputs = {}
         logits = None
         for index, graph in enumerate(meta["graphs"]):
@@ -324,6 +331,7 @@ def compile_rknn(
                         log.write(paths["build_log"].read_text(errors="replace"))
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
+            aslr_disabled.append(bool(result.get("aslr_disabled")))
             for spec_out in graph["outputs"]:
                 if spec_out["role"] == "hidden":
                     previous_outputs[spec_out["name"]] = np.load(save[spec_out["name"]])
@@ -377,7 +385,10 @@ def compile_rknn(
                 "quantized_algorithm": (
                     str(target_options.get("quantized_algorithm", "normal")) if quantized else None
                 ),
+                "auto_hybrid": bool(target_options.get("auto_hybrid", False)) and quantized,
+                "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
                 "malloc_perturb": int(MALLOC_PERTURB),
+                "aslr_disabled": all(aslr_disabled),
                 "calibration": (
                     {
                         "samples": calibration["samples"],

@@ -15,6 +15,16 @@ save: {output: .npy to write [steps, *shape]}}), ``build_log`` and ``result``.
 The simulator only works inside the RKNN object that built the model, so the
 build, the export and the recurrent run happen in this one process: state
 inputs start at zero and take the simulator's own state outputs on each step.
+
+Reproducible bytes. rknn-toolkit2 2.5.0 writes into the .rknn (a) heap bytes it
+allocated but never initialised and (b) raw heap addresses (about 130-280 bytes
+early in the file of a 4-layer RWKV-7 chunk). (a) needs glibc's MALLOC_PERTURB_;
+(b) needs the same addresses every run: no address-space randomisation
+(personality ADDR_NO_RANDOMIZE), one malloc arena, one CPU, a fixed
+PYTHONHASHSEED and one OpenMP thread. ``_deterministic_reexec`` sets all of that
+and re-executes this script once. Container engines' default seccomp profiles
+refuse the personality call; the job then runs with randomisation and says so
+in its result (``aslr_disabled: false``).
 """
 
 import json
@@ -76,6 +86,33 @@ def parse_placement(log_text):
 
 
 _LOG = {}
+_PINNED = "NPUFORGE_RKNN_PINNED"
+_DETERMINISTIC_ENV = {
+    "MALLOC_PERTURB_": "85",
+    "MALLOC_ARENA_MAX": "1",
+    "PYTHONHASHSEED": "0",
+    "OMP_NUM_THREADS": "1",
+}
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def _deterministic_reexec():
+    """Re-execute this script once with fixed heap layout settings (see module doc)."""
+    if os.environ.get(_PINNED):
+        return
+    env = {**os.environ, **_DETERMINISTIC_ENV, _PINNED: "aslr-on"}
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = libc.personality(0xFFFFFFFF)
+        if current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1:
+            env[_PINNED] = "aslr-off"
+    except (OSError, AttributeError):
+        pass
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def _last_toolkit_error(log_path):
@@ -111,12 +148,18 @@ def main(spec_path):
             "target_platform": spec["target_platform"],
             "optimization_level": int(spec["optimization_level"]),
         }
+        hybrid = bool(spec.get("auto_hybrid")) and quantize
         if quantize:
             config["quantized_dtype"] = spec["precision"]
             config["quantized_algorithm"] = spec["quantized_algorithm"]
+        if hybrid and spec.get("auto_hybrid_cos_thresh") is not None:
+            config["auto_hybrid_cos_thresh"] = float(spec["auto_hybrid_cos_thresh"])
         _check(rknn.config(**config), "config")
         _check(rknn.load_onnx(model=spec["onnx"]), "load_onnx")
-        _check(rknn.build(do_quantization=quantize, dataset=spec["dataset"]), "build")
+        _check(
+            rknn.build(do_quantization=quantize, dataset=spec["dataset"], auto_hybrid=hybrid),
+            "build",
+        )
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         timings["compile_s"] = round(time.monotonic() - start, 2)
 
@@ -157,12 +200,17 @@ def main(spec_path):
 
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         placement = parse_placement(handle.read())
-    result = {"placement": placement, "timings": timings}
+    result = {
+        "placement": placement,
+        "timings": timings,
+        "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
+    }
     with open(spec["result"], "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":
+    _deterministic_reexec()
     try:
         main(sys.argv[1])
     except Exception as err:  # one line the runner can show; the log has the rest
