@@ -18,6 +18,13 @@ include: "rules/compile.smk"
 include: "rules/package.smk"
 
 
+# Downloads need the network and the user's HF cache: on a cluster they run on the
+# submit host.
+localrules:
+    fetch,
+    fetch_tree,
+
+
 rule all:
     default_target: True
     input:
