@@ -76,7 +76,12 @@ def test_rewrites_are_exact_and_counted(tmp_path):
     src, dst = tmp_path / "src.onnx", tmp_path / "dst.onnx"
     onnx.save(_graph_with_decay_and_outer_product(), src)
     report = rewrite_file(src, dst)
-    assert report == {"exp_to_elu": 2, "exp_kept": 1, "outer_matmul_to_mul": 1}
+    assert report == {
+        "exp_to_elu": 2,
+        "exp_kept": 1,
+        "outer_matmul_to_mul": 1,
+        "l2_normalize": 0,
+    }
     ops = [n.op_type for n in onnx.load(dst).graph.node]
     assert ops.count("Exp") == 1 and ops.count("Elu") == 2 and "MatMul" not in ops
 
@@ -91,6 +96,42 @@ def test_rewrites_are_exact_and_counted(tmp_path):
     after = ort.InferenceSession(str(dst)).run(None, feeds)
     for a, b in zip(before, after, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_l2_normalize_rewrite_is_exact(tmp_path):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from npuforge.backends.rknn_graph import rewrite_file
+
+    f = TensorProto.FLOAT
+    const = numpy_helper.from_array
+    # x / sqrt(clip(sum(x * x, axis -1), 1e-12)): how the RWKV-7 export normalises k.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "x"], ["sq"]),
+            helper.make_node("ReduceSum", ["sq", "axes"], ["ss"], keepdims=1),
+            helper.make_node("Clip", ["ss", "eps"], ["cl"]),
+            helper.make_node("Sqrt", ["cl"], ["norm"]),
+            helper.make_node("Div", ["x", "norm"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", f, [1, 4, 16])],
+        [helper.make_tensor_value_info("y", f, [1, 4, 16])],
+        [const(np.array([-1], np.int64), "axes"), const(np.array(1e-12, np.float32), "eps")],
+    )
+    src, dst = tmp_path / "src.onnx", tmp_path / "dst.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, src)
+    assert rewrite_file(src, dst)["l2_normalize"] == 1
+    ops = [n.op_type for n in onnx.load(dst).graph.node]
+    assert ops == ["ReduceL2", "Clip", "Expand", "Div"]
+    x = np.random.default_rng(1).standard_normal((1, 4, 16)).astype(np.float32)
+    x[0, 0] = 0  # the eps floor
+    before = ort.InferenceSession(str(src)).run(None, {"x": x})[0]
+    after = ort.InferenceSession(str(dst)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-7)
 
 
 def test_sign_analysis_keeps_unprovable_exp():
@@ -241,6 +282,8 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
     # Every op on the NPU: the decay's Exp became Elu + 1 (one per layer).
     assert record["placement"]["cpu_fallback"] == 0
     assert sum(r["exp_to_elu"] for r in record["graph_rewrites"]) == 2
+    assert sum(r["l2_normalize"] for r in record["graph_rewrites"]) == 2
+    assert record["options"]["aslr_disabled"] is True
     assert record["split"]["chunks"] == 2 and record["split"]["layers"] == [[0, 1], [1, 2]]
     assert [a["file"] for a in record["artifacts"]] == ["chunk0.rknn", "chunk1.rknn"]
     assert sorted(p.name for p in first.iterdir()) == ["chunk0.rknn", "chunk1.rknn", "compile.json"]
@@ -260,6 +303,8 @@ def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
     )
     figures = record["verification"]
     assert figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
+    # Sqrt/Div of the k normalisation would fall back in int8 without the rewrite.
+    assert record["placement"]["cpu_fallback"] == 0
     assert record["options"]["calibration"]["zero_state"] is False
     assert record["options"]["quantized_dtype"] == "w8a8"
 

@@ -14,7 +14,12 @@ Found with rknn-toolkit2 2.5.0 (rk3588/rk3576), read from its placement table:
   product is an elementwise ``Mul`` with broadcasting, which the compiler keeps
   right, so such MatMuls are rewritten to ``Mul``.
 
-Both rewrites are exact in real arithmetic; tests check them with onnxruntime.
+* An L2 normalisation written as ``x / sqrt(clip(sum(x * x), eps))`` puts
+  ``Sqrt`` and ``Div`` on the CPU in quantized builds. Written the way
+  ``torch.nn.functional.normalize`` exports it, ``x / expand(clip(reducel2(x),
+  sqrt(eps)))``, the compiler fuses it into one NPU normalisation op.
+
+All rewrites are exact in real arithmetic; tests check them with onnxruntime.
 """
 
 from pathlib import Path
@@ -118,6 +123,37 @@ def _static_shapes(model):
     return shapes, types
 
 
+def _l2_normalize_match(node, producer, constants, shapes):
+    """For ``x / sqrt(clip(reducesum(x * x, axes), eps))``: (x, axes, eps), else None."""
+    import numpy as np
+
+    if node.op_type != "Div":
+        return None
+    x = node.input[0]
+    sqrt = producer.get(node.input[1])
+    if sqrt is None or sqrt.op_type != "Sqrt":
+        return None
+    clip = producer.get(sqrt.input[0])
+    if clip is None or clip.op_type != "Clip" or len(clip.input) < 2:
+        return None
+    if len(clip.input) > 2 and clip.input[2]:
+        return None
+    eps = constants.get(clip.input[1])
+    reduce = producer.get(clip.input[0])
+    if eps is None or eps.size != 1 or float(eps) < 0 or reduce is None:
+        return None
+    if reduce.op_type != "ReduceSum" or len(reduce.input) < 2:
+        return None
+    square = producer.get(reduce.input[0])
+    if square is None or square.op_type != "Mul" or list(square.input) != [x, x]:
+        return None
+    keepdims = next((a.i for a in reduce.attribute if a.name == "keepdims"), 1)
+    axes = constants.get(reduce.input[1])
+    if keepdims != 1 or axes is None or x not in shapes:
+        return None
+    return x, [int(a) for a in np.ravel(axes)], float(np.sqrt(float(eps)))
+
+
 def rewrite_for_rknn(model):
     """Rewrite a loaded ONNX model in place; return a report of what changed."""
     import numpy as np
@@ -126,9 +162,30 @@ def rewrite_for_rknn(model):
     signs = _SignAnalysis(model)
     shapes, types = _static_shapes(model)
     nodes = []
-    report = {"exp_to_elu": 0, "exp_kept": 0, "outer_matmul_to_mul": 0}
+    report = {"exp_to_elu": 0, "exp_kept": 0, "outer_matmul_to_mul": 0, "l2_normalize": 0}
     ones = {}  # ONNX element type -> name of a scalar 1 of that type
     for node in model.graph.node:
+        match = _l2_normalize_match(node, signs.producer, signs.constants, shapes)
+        if match is not None:
+            x, axes, floor = match
+            base = node.name or node.output[0]
+            norm, clipped, expanded = base + "_l2", base + "_l2_clip", base + "_l2_expand"
+            model.graph.initializer.extend(
+                [
+                    numpy_helper.from_array(np.array(floor, np.float32), base + "_l2_floor"),
+                    numpy_helper.from_array(np.array(shapes[x], np.int64), base + "_l2_shape"),
+                ]
+            )
+            nodes += [
+                helper.make_node("ReduceL2", [x], [norm], name=norm, axes=axes, keepdims=1),
+                helper.make_node("Clip", [norm, base + "_l2_floor"], [clipped], name=clipped),
+                helper.make_node(
+                    "Expand", [clipped, base + "_l2_shape"], [expanded], name=expanded
+                ),
+                helper.make_node("Div", [x, expanded], list(node.output), name=base),
+            ]
+            report["l2_normalize"] += 1
+            continue
         if node.op_type == "Exp" and signs.sign(node.input[0]) == -1:
             elem = types.get(node.input[0], TensorProto.FLOAT)
             if elem not in ones:
@@ -161,7 +218,24 @@ def rewrite_for_rknn(model):
         nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    _drop_dead_nodes(model)
     return report
+
+
+def _drop_dead_nodes(model):
+    """Remove nodes whose outputs nobody reads (the old Sqrt/Clip/ReduceSum chains)."""
+    needed = {o.name for o in model.graph.output}
+    keep = []
+    for node in reversed(list(model.graph.node)):
+        if any(out in needed for out in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(keep))
+    used = needed
+    kept = [init for init in model.graph.initializer if init.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
 
 
 def rewrite_file(src, dst) -> dict:
