@@ -111,7 +111,9 @@ def _deterministic_reexec():
     except (OSError, AttributeError):
         pass
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        # Any one CPU will do; spread concurrent jobs over the allowed ones.
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
     os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
