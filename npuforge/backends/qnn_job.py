@@ -27,6 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, this file's directory leads sys.path, and its sibling
+# backend modules (npuforge/backends/onnx.py) would shadow the real packages.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 EP_NAME = "QNNExecutionProvider"
 # Op types whose float initializers stay 16 bit: normalisations divide by a
 # variance that 8-/4-bit parameters distort (seed 001 keeps them in fp16).
@@ -213,9 +218,12 @@ def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float,
         rmin, rmax = data.range_value
         rmin, rmax = float(np.min(rmin)), float(np.max(rmax))
         span = max(rmax - rmin, 1e-6)
+        # Widen only away from zero: a tensor that never goes negative (a Relu's
+        # output, whose range the quantizer folds into the op before it) must
+        # keep its zero floor, or the clamp it stands for disappears.
         ranges[name] = {
-            "rmin": np.float32(rmin - margin * span),
-            "rmax": np.float32(rmax + margin * span),
+            "rmin": np.float32(rmin - margin * span if rmin < 0 else rmin),
+            "rmax": np.float32(rmax + margin * span if rmax > 0 else rmax),
         }
     calibrator.clear_collected_data()
     return ranges
