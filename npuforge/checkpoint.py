@@ -20,16 +20,43 @@ class Checkpoint:
         self.path = Path(path)
         self.tensors = tensors
         self.config = config
+        self.touched = set()
 
     def __getitem__(self, name):
+        self.touched.add(name)
         return self.tensors[name]
 
     def __contains__(self, name):
         return name in self.tensors
 
     def float32(self, name):
-        """One tensor as a new float32 torch tensor (the mmap stays untouched)."""
+        """One tensor as float32 (the tensor itself when it already is: never modify it)."""
+        self.touched.add(name)
         return self.tensors[name].float()
+
+    def release_touched(self):
+        """Drop the file pages of the tensors read since the last call from this process
+        (they stay in the page cache). The tensors are read-only views of a private
+        file mapping, so the kernel re-reads them if they are touched again; without
+        this a streaming export would end up with the whole file resident."""
+        for name in sorted(self.touched):
+            _drop_pages(self.tensors[name])
+        self.touched.clear()
+
+
+def _drop_pages(tensor) -> None:
+    import ctypes
+    import mmap
+
+    storage = tensor.untyped_storage()
+    start, size = storage.data_ptr(), storage.nbytes()
+    page = mmap.PAGESIZE
+    begin = start - start % page
+    length = (start + size) - begin
+    length -= length % page  # whole pages only: a partial page may hold a neighbour
+    if length > 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
 
 
 def _load_pth(path: Path) -> dict:
@@ -64,19 +91,67 @@ def _load_pth(path: Path) -> dict:
     return state
 
 
-def _load_safetensors(path: Path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+SAFETENSORS_DTYPES = {
+    "BF16": ("bfloat16", 2),
+    "F16": ("float16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+}
 
-    try:
-        # safetensors maps the file; tensors are views until they are touched.
-        return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise NpuforgeError(
-            f"{path}: cannot read the safetensors file ({first}); the file is damaged or "
-            "truncated, download it again"
-        ) from None
+
+def _load_safetensors(path: Path) -> dict:
+    """Tensors as zero-copy views of a private file mapping (the layout is simple:
+    u64 header length, JSON header of dtype/shape/data_offsets, then the data)."""
+    import json
+    import mmap
+    import warnings
+
+    import torch
+
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            raise NpuforgeError(
+                f"{path}: not a safetensors file or truncated header; download it again"
+            )
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise NpuforgeError(
+                f"{path}: unreadable safetensors header; download it again"
+            ) from None
+        data_start = 8 + header_len
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, itemsize = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise NpuforgeError(
+                f"{path}: tensor {name!r} has an unsupported or malformed header entry"
+            ) from None
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - begin != count * itemsize or begin < 0 or data_start + end > size:
+            raise NpuforgeError(
+                f"{path}: tensor {name!r} lies outside the file (truncated); download it again"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(
+                mapping, dtype=getattr(torch, dtype_name), count=count, offset=data_start + begin
+            )
+        tensors[name] = flat.reshape(shape)
+    return tensors
 
 
 def load_checkpoint(path) -> Checkpoint:

@@ -111,6 +111,61 @@ INITIALIZER_FIELD = 5  # GraphProto.initializer
 RAW_DATA_FIELD = 9  # TensorProto.raw_data
 
 
+class HashingWriter:
+    """A file writer that hashes what it writes and does the writing on a thread.
+
+    Producing the next tensor (conversion, transposition) overlaps with writing the
+    previous one; the queue is short, so at most a few blocks are in flight.
+    """
+
+    def __init__(self, path, depth: int = 3):
+        import hashlib
+        import queue
+        import threading
+
+        self.path = Path(path)
+        self.digest = hashlib.sha256()
+        self.handle = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self.queue = queue.Queue(maxsize=depth)
+        self.error = None
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self):
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.digest.update(item)
+                    self.handle.write(item)
+                except BaseException as err:  # reported by close()
+                    self.error = err
+
+    def write(self, data) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(data)
+
+    def close(self) -> str:
+        """Flush, close and return the sha256 of everything written."""
+        self.queue.put(None)
+        self.thread.join()
+        self.handle.close()
+        if self.error is not None:
+            raise self.error
+        return self.digest.hexdigest()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.sha256 = self.close()
+        else:
+            self.queue.put(None)
+            self.thread.join()
+            self.handle.close()
+
+
 def _tensor_header(name, dims, data_type):
     import onnx
 
@@ -140,18 +195,17 @@ def _split_params(model, param_names):
     return info
 
 
-def write_model_streaming(model, params, tensor_fn, out_path, external: bool) -> list:
+def write_model_streaming(model, params, tensor_fn, out_path, external: bool) -> dict:
     """Write ``model`` plus initializers ``params`` (name -> (dims, type)) to ``out_path``.
 
-    ``tensor_fn(name)`` returns the numpy array of one initializer; it is called once
-    per tensor and the array is dropped right after it is written. Returns the list of
-    files written.
+    ``tensor_fn(name)`` yields the numpy row blocks of one initializer (C order); it is
+    called once per tensor and every block is dropped once it is written.
+    Returns {file name: sha256} of the files written (graph first).
     """
     import numpy as np
     import onnx
 
     out_path = Path(out_path)
-    files = [out_path]
     headers = []
     for name, (dims, data_type) in params.items():
         nbytes = (
@@ -162,16 +216,13 @@ def write_model_streaming(model, params, tensor_fn, out_path, external: bool) ->
 
     if external:
         data_path = out_path.with_name(out_path.name + ".data")
-        files.append(data_path)
         offset = 0
-        with open(data_path, "wb") as data:
+        with HashingWriter(data_path) as data:
             for name, header, nbytes in headers:
                 pad = (-offset) % DATA_ALIGN
                 data.write(b"\0" * pad)
                 offset += pad
-                array = _checked(tensor_fn(name), header, nbytes)
-                data.write(array.tobytes())
-                del array
+                _write_blocks(data, tensor_fn(name), header, nbytes)
                 header.data_location = onnx.TensorProto.EXTERNAL
                 for key, value in (
                     ("location", data_path.name),
@@ -182,9 +233,9 @@ def write_model_streaming(model, params, tensor_fn, out_path, external: bool) ->
                     entry.key, entry.value = key, value
                 offset += nbytes
         model.graph.initializer.extend(h for _, h, _ in headers)
-        with open(out_path, "wb") as handle:
+        with HashingWriter(out_path) as handle:
             handle.write(model.SerializeToString(deterministic=True))
-        return files
+        return {out_path.name: handle.sha256, data_path.name: data.sha256}
 
     graph = model.graph
     model_rest = onnx.ModelProto()
@@ -200,7 +251,7 @@ def write_model_streaming(model, params, tensor_fn, out_path, external: bool) ->
         graph_len += len(_field(INITIALIZER_FIELD, tensor_len)) + tensor_len
     if graph_len > PROTOBUF_LIMIT:
         raise NpuforgeError("graph exceeds the 2 GB protobuf limit inline; use external data")
-    with open(out_path, "wb") as handle:
+    with HashingWriter(out_path) as handle:
         handle.write(model_rest.SerializeToString(deterministic=True))
         handle.write(_field(GRAPH_FIELD, graph_len))
         handle.write(graph_bytes)
@@ -208,24 +259,30 @@ def write_model_streaming(model, params, tensor_fn, out_path, external: bool) ->
             handle.write(_field(INITIALIZER_FIELD, tensor_len))
             handle.write(head)
             handle.write(_field(RAW_DATA_FIELD, nbytes))
-            array = _checked(tensor_fn(name), header, nbytes)
-            handle.write(array.tobytes())
-            del array
-    return files
+            _write_blocks(handle, tensor_fn(name), header, nbytes)
+    return {out_path.name: handle.sha256}
 
 
-def _checked(array, header, nbytes):
+def _write_blocks(handle, blocks, header, nbytes) -> None:
+    """Write row blocks of one tensor; check they add up to the declared shape."""
     import numpy as np
 
-    array = np.ascontiguousarray(array)
-    if list(array.shape) != list(header.dims) or array.nbytes != nbytes:
+    written, rows = 0, 0
+    for block in blocks:
+        block = np.ascontiguousarray(block)
+        if block.dtype.byteorder == ">":
+            block = block.byteswap().view(block.dtype.newbyteorder("<"))
+        if list(block.shape[1:]) != list(header.dims[1:]):
+            break
+        handle.write(memoryview(block).cast("B"))
+        written += block.nbytes
+        rows += block.shape[0] if block.ndim else 1
+        del block
+    if written != nbytes:
         raise NpuforgeError(
-            f"export: tensor {header.name!r} has shape {list(array.shape)}, graph expects "
-            f"{list(header.dims)}; this is a bug"
+            f"export: tensor {header.name!r} came out with {written} bytes, the graph expects "
+            f"{nbytes} ({list(header.dims)}); this is a bug"
         )
-    if array.dtype.byteorder == ">":
-        array = array.byteswap().view(array.dtype.newbyteorder("<"))
-    return array
 
 
 # ------------------------------------------------------------------------------------------
@@ -259,12 +316,13 @@ def trace_chunk(spec):
 
     from npuforge.models import rwkv
 
-    module = rwkv.build_chunk(spec).eval()
+    # Traced on the meta device: shapes only, no weight memory and no arithmetic.
+    module = rwkv.build_chunk(spec, device="meta").eval()
     inputs, outputs = rwkv.io_specs(spec)
     args = []
     for item in inputs:
         dtype = getattr(torch, item["dtype"])
-        args.append(torch.zeros(item["shape"], dtype=dtype))
+        args.append(torch.zeros(item["shape"], dtype=dtype, device="meta"))
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -276,6 +334,9 @@ def trace_chunk(spec):
             buffer,
             dynamo=False,
             export_params=False,
+            # Weights stay named graph inputs; this also skips the initializer
+            # de-duplication pass, which would read (meta) tensor values.
+            keep_initializers_as_inputs=True,
             do_constant_folding=True,
             opset_version=OPSET,
             input_names=[i["name"] for i in inputs],
@@ -333,7 +394,9 @@ def export_rwkv(
     np_dtype = np.float16 if dtype == "fp16" else np.float32
 
     def prepare(spec, name):
-        return rwkv.prepared_tensor(ckpt, spec, name).numpy().astype(np_dtype)
+        for block in rwkv.prepared_blocks(ckpt, spec, name):
+            yield block.contiguous().numpy().astype(np_dtype, copy=False)
+        ckpt.release_touched()
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
@@ -373,18 +436,19 @@ def export_rwkv(
                 external_data is None and weight_bytes > PROTOBUF_LIMIT - (64 << 20)
             )
             name = f"chunk{index}.onnx"
-            files = write_model_streaming(
+            hashes = write_model_streaming(
                 model, params, lambda n, s=spec: prepare(s, n), tmp / name, external
             )
             graph = {
                 "file": name,
-                "sha256": sha256_file(tmp / name),
+                "sha256": hashes[name],
                 "layers": list(layers),
                 "inputs": inputs,
                 "outputs": outputs,
             }
             if external:
-                graph["external_data"] = {"file": files[1].name, "sha256": sha256_file(files[1])}
+                data_name = name + ".data"
+                graph["external_data"] = {"file": data_name, "sha256": hashes[data_name]}
             graphs.append(graph)
         meta = {
             "family": "rwkv",

@@ -140,3 +140,23 @@ def write_synthetic_checkpoint(
         else:
             raise NpuforgeError(f"format {fmt!r} is not supported; use pth or safetensors")
     return cfg
+
+
+def cached_synthetic_checkpoint(directory, **args):
+    """Path of a synthetic checkpoint for ``args`` under ``directory``; made on first use.
+
+    The name encodes every argument, so test modules and demo runs share one file.
+    """
+    from pathlib import Path
+
+    defaults = dict(version=7, layers=4, embed=256, vocab=65536, head_size=64, seed=0,
+                    dtype="bf16", stress=False, fmt="pth")  # fmt: skip
+    unknown = set(args) - set(defaults)
+    if unknown:
+        raise NpuforgeError(f"unknown synthetic checkpoint option {sorted(unknown)[0]!r}")
+    full = {**defaults, **args}
+    stem = "rwkv{version}-{layers}x{embed}-v{vocab}-h{head_size}-s{seed}-{dtype}".format(**full)
+    path = Path(directory) / f"{stem}{'-stress' if full['stress'] else ''}.{full['fmt']}"
+    if not path.exists():
+        write_synthetic_checkpoint(path, **full)
+    return path

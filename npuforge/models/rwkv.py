@@ -408,15 +408,21 @@ def prepared_tensor(ckpt, spec: GraphSpec, name: str):
     def w(key):
         return ckpt.float32(src + key)
 
+    def wt(key):
+        # Transpose and widen in one pass over the (bf16) source.
+        return (
+            ckpt[src + key].t().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        )
+
     if rest in ("receptance", "gate") or (part == "ffn" and rest == "key"):
-        return w(rest + ".weight").t()
+        return wt(rest + ".weight")
     if rest == "key" or rest == "value":
         if part == "ffn":
-            return w("value.weight").t() * out_scale
+            return wt("value.weight").mul_(out_scale)
         scale = spec.wkv_k_scale if rest == "key" else spec.wkv_v_scale
-        return w(rest + ".weight").t() / scale
+        return wt(rest + ".weight").div_(scale)
     if rest == "output":
-        return w("output.weight").t() * out_scale
+        return wt("output.weight").mul_(out_scale)
     if rest.startswith("ln_x."):
         return w(rest).reshape(shape)
     if cfg.version == 7:
@@ -458,7 +464,8 @@ def prepared_tensor(ckpt, spec: GraphSpec, name: str):
 
 
 def build_chunk(spec: GraphSpec, device="cpu"):
-    """An ``RwkvChunk`` with uninitialised parameters (``torch.empty``; no memory touched)."""
+    """An ``RwkvChunk`` with uninitialised parameters (``device="meta"``: no memory at all,
+    enough for tracing; ``load_weights`` fills a CPU one)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -497,7 +504,7 @@ def build_chunk(spec: GraphSpec, device="cpu"):
             super().__init__()
             self.spec = spec
             self.names = list(param_shapes(spec))
-            for index, (name, shape) in enumerate(param_shapes(spec).items()):
+            for name, shape in param_shapes(spec).items():
                 owner = self
                 *path, leaf = name.split(".")
                 for part in path:
@@ -505,9 +512,6 @@ def build_chunk(spec: GraphSpec, device="cpu"):
                         owner.add_module(part, Params())
                     owner = getattr(owner, part)
                 placeholder = torch.empty(shape, dtype=dtype, device=device)
-                # One distinct element per tensor: the tracer merges parameters with equal
-                # values, and untouched empty memory reads as zeros.
-                placeholder.view(-1)[0] = index + 1
                 owner.register_parameter(leaf, nn.Parameter(placeholder, False))
 
             self.gn_eps = GN_EPS / spec.wkv_scale**2
@@ -650,6 +654,33 @@ def build_chunk(spec: GraphSpec, device="cpu"):
             return tuple(outputs + new_states)
 
     return RwkvChunk()
+
+
+def prepared_blocks(ckpt, spec: GraphSpec, name: str, max_bytes: int = 32 << 20):
+    """``prepared_tensor(name)`` as consecutive float32 row blocks of bounded size.
+
+    The embedding and the head are the only large tensors (vocab x embed); they are
+    produced a slice at a time so an export never holds them whole in float32.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    c, v = spec.config.embed_dim, spec.config.vocab_size
+    if name == "emb":
+        rows = max(1, max_bytes // (4 * c))
+        weight, bias = ckpt.float32("blocks.0.ln0.weight"), ckpt.float32("blocks.0.ln0.bias")
+        emb = ckpt["emb.weight"]
+        for start in range(0, v, rows):
+            block = emb[start : start + rows].float()
+            yield F.layer_norm(block, (c,), weight=weight, bias=bias, eps=LN_EPS)
+    elif name == "head":
+        rows = max(1, max_bytes // (4 * v))
+        head = ckpt["head.weight"]
+        for start in range(0, c, rows):
+            block = head[:, start : start + rows].t()
+            yield block.to(torch.float32, memory_format=torch.contiguous_format)
+    else:
+        yield prepared_tensor(ckpt, spec, name)
 
 
 def load_weights(module, ckpt):

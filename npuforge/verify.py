@@ -1,0 +1,235 @@
+"""Check exported graphs against an independent reference and report the figures.
+
+The graphs run through ``npuforge.runtime.GraphChain`` over a seeded token
+sequence (fp16 exports through ``Fp16EmulationSession``, so overflow shows as it
+would on an fp16 NPU). The reference is either BlinkDL's ``rwkv`` package
+(strategy ``cpu fp32``) on the same checkpoint, or another export directory
+(``onnx-fp32:DIR``). Figures, all over every step and batch row:
+
+* ``max_abs_rel``: max |Δlogit| / max |reference logit|
+* ``cosine`` (minimum per step) and ``cosine_mean``
+* ``top1_agreement``: fraction of steps with the same arg-max
+* ``nan_inf``: non-finite logits of the export
+* ``prefill_vs_decode``: with a prefill export, prefill the first tokens, carry
+  its state into the decode graphs, and compare with decode alone.
+"""
+
+import contextlib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+
+TOKEN_SEED = 0
+
+
+def seeded_tokens(vocab_size: int, batch: int, steps: int, seed: int = TOKEN_SEED):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, steps), dtype=np.int64)
+
+
+def session_factory_for(meta):
+    from npuforge.runtime import Fp16EmulationSession, onnxruntime_session
+
+    return Fp16EmulationSession if meta["dtype"] == "fp16" else onnxruntime_session
+
+
+def open_chain(export_dir):
+    from npuforge.fileio import read_json
+    from npuforge.runtime import GraphChain
+
+    meta_path = Path(export_dir) / "export.json"
+    if not meta_path.is_file():
+        raise NpuforgeError(f"{export_dir}: no export.json; run export_onnx.py first")
+    return GraphChain(export_dir, session_factory=session_factory_for(read_json(meta_path)))
+
+
+def _load_reference_module(version: int):
+    """BlinkDL's rwkv.model, imported privately with the switches this version needs.
+
+    The package decides at import time between v7 and v4-v6 (``RWKV_V7_ON``), so each
+    flavour gets its own module object instead of sharing ``rwkv.model``.
+    """
+    spec = importlib.util.find_spec("rwkv")
+    if spec is None:
+        raise NpuforgeError("the rwkv package is not installed; pip install rwkv")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model.py"
+    name = f"_npuforge_rwkv_reference_v{7 if version == 7 else 6}"
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {k: os.environ.get(k) for k in ("RWKV_V7_ON", "RWKV_JIT_ON", "RWKV_CUDA_ON")}
+    os.environ.update({"RWKV_V7_ON": "1" if version == 7 else "0", "RWKV_CUDA_ON": "0"})
+    os.environ["RWKV_JIT_ON"] = "1"
+    try:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        with contextlib.redirect_stdout(sys.stderr):
+            module_spec.loader.exec_module(module)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    sys.modules[name] = module
+    return module
+
+
+def rwkv_reference_logits(checkpoint, tokens):
+    """Logits [B, S, V] of BlinkDL's rwkv package (cpu fp32), one token at a time."""
+    import numpy as np
+    import torch
+
+    from npuforge.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(checkpoint)
+    version = ckpt.config.version
+    module = _load_reference_module(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The package reads only .pth, and applies v5/v6's ln0 in the file's dtype: give
+        # it an exact float32 copy so both sides compute the same model in fp32.
+        path = Path(tmp) / "reference.pth"
+        torch.save({k: v.float() for k, v in ckpt.tensors.items()}, path)
+        del ckpt
+        with contextlib.redirect_stdout(sys.stderr):
+            if version == 7:
+                model = module.RWKV_x070(str(path)[: -len(".pth")], "cpu fp32")
+            else:
+                model = module.RWKV(str(path), "cpu fp32", verbose=False)
+    rows = []
+    with torch.no_grad():
+        for row in np.asarray(tokens):
+            state, out = None, []
+            for token in row:
+                logits, state = model.forward([int(token)], state)
+                out.append(logits.float().numpy())
+            rows.append(np.stack(out))
+    return np.stack(rows)
+
+
+def compare(logits, reference) -> dict:
+    import numpy as np
+
+    logits = np.asarray(logits, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    finite = np.isfinite(logits)
+    nan_inf = int((~finite).sum())
+    if nan_inf:
+        return {
+            "max_abs_rel": None,
+            "cosine": None,
+            "cosine_mean": None,
+            "top1_agreement": float(
+                np.mean(np.nan_to_num(logits, nan=-np.inf).argmax(-1) == reference.argmax(-1))
+            ),
+            "nan_inf": nan_inf,
+        }
+    scale = float(np.abs(reference).max())
+    dot = (logits * reference).sum(-1)
+    norms = np.linalg.norm(logits, axis=-1) * np.linalg.norm(reference, axis=-1)
+    cosine = dot / np.maximum(norms, 1e-30)
+    return {
+        "max_abs_rel": float(np.abs(logits - reference).max() / max(scale, 1e-30)),
+        "cosine": float(cosine.min()),
+        "cosine_mean": float(cosine.mean()),
+        "top1_agreement": float(np.mean(logits.argmax(-1) == reference.argmax(-1))),
+        "nan_inf": 0,
+    }
+
+
+def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dict:
+    """Prefill the first whole calls, continue with decode; compare with decode alone."""
+    import numpy as np
+
+    prefill = open_chain(prefill_dir)
+    t = prefill.tokens_per_call
+    steps = tokens.shape[1]
+    n_prefill = (steps // t) * t
+    if n_prefill == 0 or n_prefill == steps:
+        n_prefill = max(0, n_prefill - t)
+    if n_prefill == 0:
+        raise NpuforgeError(
+            f"--tokens {steps} is too short to prefill {t} tokens and then decode; raise --tokens"
+        )
+    if prefill.batch != decode_chain.batch:
+        raise NpuforgeError("prefill and decode exports have different --batch; export them alike")
+    last_only = bool(prefill.meta["options"].get("last_token_logits"))
+    pieces, positions = [], []
+    for start in range(0, n_prefill, t):
+        out = prefill.step(tokens[:, start : start + t])
+        pieces.append(out)
+        positions += [start + t - 1] if last_only else list(range(start, start + t))
+    decode_chain.reset()
+    missing = set(decode_chain.state) - set(prefill.state)
+    if missing:
+        raise NpuforgeError(
+            f"prefill export lacks state {sorted(missing)[0]!r}; export both from one checkpoint"
+        )
+    decode_chain.state = {
+        k: prefill.state[k].astype(v.dtype) for k, v in decode_chain.state.items()
+    }
+    for start in range(n_prefill, steps):
+        pieces.append(decode_chain.step(tokens[:, start : start + 1]))
+        positions.append(start)
+    combined = np.concatenate(pieces, axis=1)
+    figures = compare(combined, decode_logits[:, positions])
+    figures.update(
+        {"prefill_tokens": n_prefill, "tokens_per_call": t, "compared_steps": len(positions)}
+    )
+    return figures
+
+
+def verify_export(export_dirs, checkpoint=None, steps=64, reference="rwkv") -> dict:
+    """Run the checks; return the report dict (``verify_onnx.py`` writes it as JSON)."""
+    if not export_dirs:
+        raise NpuforgeError("give at least one --export directory")
+    decode = open_chain(export_dirs[0])
+    meta = decode.meta
+    if meta["variant"] != "decode":
+        raise NpuforgeError(f"{export_dirs[0]}: the first --export must be a decode export")
+    if steps < 1:
+        raise NpuforgeError("--tokens must be at least 1")
+    tokens = seeded_tokens(meta["vocab_size"], decode.batch, steps)
+    logits = decode.run(tokens)
+
+    if reference == "rwkv":
+        if meta["family"] != "rwkv":
+            raise NpuforgeError("--reference rwkv only checks RWKV exports; use onnx-fp32:DIR")
+        if checkpoint is None:
+            raise NpuforgeError("--reference rwkv needs --checkpoint")
+        ref_logits = rwkv_reference_logits(checkpoint, tokens)
+        ref_name = "rwkv package (BlinkDL) cpu fp32"
+    elif reference.startswith("onnx-fp32:"):
+        ref_chain = open_chain(reference[len("onnx-fp32:") :])
+        if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":
+            raise NpuforgeError(f"{reference}: the reference must be an fp32 decode export")
+        ref_logits = ref_chain.run(tokens)
+        ref_name = "onnxruntime fp32"
+    else:
+        raise NpuforgeError(f"--reference {reference!r} is unknown; use rwkv or onnx-fp32:DIR")
+
+    report = compare(logits, ref_logits)
+    report.update(
+        {
+            "steps": steps,
+            "batch": decode.batch,
+            "reference": ref_name,
+            "runtime": "onnxruntime fp16-storage emulation"
+            if meta["dtype"] == "fp16"
+            else "onnxruntime cpu",
+            "tokens": f"seeded uniform ids, numpy PCG64 seed {TOKEN_SEED}",
+            "export": {
+                "dtype": meta["dtype"],
+                "chunks": meta["chunks"],
+                "options": meta["options"],
+            },
+            "prefill_vs_decode": None,
+        }
+    )
+    if len(export_dirs) > 1:
+        report["prefill_vs_decode"] = prefill_then_decode(export_dirs[1], decode, tokens, logits)
+    return report

@@ -1,0 +1,35 @@
+"""Run exported graphs over a token sequence and compare them with a reference (JSON report)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from npuforge.cli import run_cli  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--export",
+        action="append",
+        required=True,
+        type=Path,
+        help="decode export dir; a second --export (prefill) adds prefill_vs_decode",
+    )
+    parser.add_argument("--checkpoint", type=Path, help="needed for --reference rwkv")
+    parser.add_argument("--tokens", type=int, default=64, help="steps to run")
+    parser.add_argument("--reference", default="rwkv", help="rwkv | onnx-fp32:DIR")
+    parser.add_argument("--out", required=True, type=Path, help="report.json")
+    args = parser.parse_args(argv)
+
+    from npuforge.fileio import write_json
+    from npuforge.verify import verify_export
+
+    report = verify_export(args.export, args.checkpoint, args.tokens, args.reference)
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
