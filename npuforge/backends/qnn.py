@@ -244,11 +244,22 @@ def read_embedding_rows(path, ids):
     return np.asarray(table[np.asarray(ids, dtype=np.int64) % table.shape[0]], dtype=np.float32)
 
 
-def verification_tokens(vocab_size: int, steps: int) -> list[int]:
-    """The project's held-out text as token ids: the recurrent check's input."""
+def verification_tokens(vocab_size: int, steps: int, calibration_dir=None) -> list[int]:
+    """The project's held-out text as token ids: the recurrent check's input.
+
+    calibration.json records them (``tokens``); without a calibration
+    directory they are tokenized here.
+    """
+    if steps <= 0:
+        return []
+    if calibration_dir:
+        meta = Path(calibration_dir) / "calibration.json"
+        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
+        if len(recorded) >= steps:
+            return [int(t) for t in recorded[:steps]]
     from npuforge.calibration import heldout_tokens
 
-    return [int(t) for t in heldout_tokens(steps, vocab_size)] if steps > 0 else []
+    return [int(t) for t in heldout_tokens(steps, vocab_size)]
 
 
 def verification_feeds(decode: dict, tokens: list[int]) -> dict:
@@ -353,6 +364,7 @@ def build_spec(
         "optimization_mode": int(target_options.get("optimization_level", 3)),
         # Headroom on calibrated 16-bit activation ranges, as a fraction of each span.
         "range_margin": float(target_options.get("range_margin", RANGE_MARGIN)),
+        "quantize_op_types": target_options.get("quantize_op_types"),
         "out_dir": str(Path(out_dir).resolve()),
         "work_dir": str(Path(work_dir).resolve()),
         "chunks": chunks,
@@ -471,7 +483,7 @@ def compile_qnn(
     try:
         with atomic_path(out_dir) as staging:
             staging.mkdir()
-            tokens = verification_tokens(int(decode["vocab_size"]), verify_steps)
+            tokens = verification_tokens(int(decode["vocab_size"]), verify_steps, calibration_dir)
             feeds_path = work_dir / "verify_feeds.npz"
             np.savez(feeds_path, **verification_feeds(decode, tokens))
             spec = build_spec(

@@ -74,7 +74,8 @@ def provider_options(spec: dict, htp_library: str) -> dict:
     }
     if spec.get("vtcm_mb"):
         options["vtcm_mb"] = str(spec["vtcm_mb"])
-    if spec["precision"] == "fp16":
+    if spec["precision"] == "fp16" or spec.get("quantize_op_types"):
+        # Float ops (all of them, or those left out of a partly quantized graph) run in fp16.
         options["enable_htp_fp16_precision"] = "1"
     options.update({k: str(v) for k, v in spec.get("extra_provider_options", {}).items()})
     return options
@@ -238,6 +239,7 @@ def quantize_graph(
     keep_16bit_tensors: list,
     input_ranges: dict | None = None,
     range_margin: float = 0.0,
+    op_types: list | None = None,
 ) -> dict:
     """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4)."""
     import numpy as np
@@ -287,6 +289,7 @@ def quantize_graph(
         per_channel=True,
         init_overrides=overrides,
         weight_symmetric=True,
+        op_types_to_quantize=list(op_types) if op_types else None,
     )
     config.use_external_data_format = True
     quantize(model_path, target, config)
@@ -407,6 +410,7 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
                 chunk.get("keep_16bit_tensors", []),
                 graph.get("input_ranges"),
                 float(spec.get("range_margin", 0.0)),
+                spec.get("quantize_op_types"),
             )
             log(f"quantized chunk {index} {graph['variant']} in {time.monotonic() - started:.1f} s")
             source = str(qdq)
