@@ -48,6 +48,30 @@ def open_chain(export_dir):
     return GraphChain(export_dir, session_factory=session_factory_for(read_json(meta_path)))
 
 
+@contextlib.contextmanager
+def _reference_env(version: int):
+    """The package reads its switches from the environment at import and at load."""
+    keys = ("RWKV_V7_ON", "RWKV_JIT_ON", "RWKV_CUDA_ON", "RWKV_RESCALE_LAYER")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(
+        {
+            "RWKV_V7_ON": "1" if version == 7 else "0",
+            "RWKV_JIT_ON": "1",
+            "RWKV_CUDA_ON": "0",
+            "RWKV_RESCALE_LAYER": "0",  # no fp16 rescaling in the fp32 reference
+        }
+    )
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _load_reference_module(version: int):
     """BlinkDL's rwkv.model, imported privately with the switches this version needs.
 
@@ -59,24 +83,13 @@ def _load_reference_module(version: int):
         raise NpuforgeError("the rwkv package is not installed; pip install rwkv")
     path = Path(list(spec.submodule_search_locations)[0]) / "model.py"
     name = f"_npuforge_rwkv_reference_v{7 if version == 7 else 6}"
-    if name in sys.modules:
-        return sys.modules[name]
-    saved = {k: os.environ.get(k) for k in ("RWKV_V7_ON", "RWKV_JIT_ON", "RWKV_CUDA_ON")}
-    os.environ.update({"RWKV_V7_ON": "1" if version == 7 else "0", "RWKV_CUDA_ON": "0"})
-    os.environ["RWKV_JIT_ON"] = "1"
-    try:
+    if name not in sys.modules:
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
-        with contextlib.redirect_stdout(sys.stderr):
+        with _reference_env(version):
             module_spec.loader.exec_module(module)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    sys.modules[name] = module
-    return module
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def rwkv_reference_logits(checkpoint, tokens):
@@ -95,7 +108,7 @@ def rwkv_reference_logits(checkpoint, tokens):
         path = Path(tmp) / "reference.pth"
         torch.save({k: v.float() for k, v in ckpt.tensors.items()}, path)
         del ckpt
-        with contextlib.redirect_stdout(sys.stderr):
+        with _reference_env(version):
             if version == 7:
                 model = module.RWKV_x070(str(path)[: -len(".pth")], "cpu fp32")
             else:
