@@ -480,8 +480,17 @@ def export_rwkv(
     return meta
 
 
+LLAMA_OPTIONS = ("variant", "tokens", "dtype", "chunks", "batch", "ext_embedding", "external_data")
+RWKV_ONLY_OPTIONS = ("rescale_every", "wkv_scale", "last_token_logits")
+
+
 def export_checkpoint(checkpoint, out_dir, **options) -> dict:
-    """Pick the model family from the checkpoint and export it."""
+    """Pick the model family from the checkpoint and export it.
+
+    A directory with config.json is a Hugging Face Llama-family checkpoint
+    (``npuforge.models.llama.export_llama``); a file is an RWKV checkpoint. The
+    RWKV fp16 fixes have no Llama counterpart, so ``fp16_fixes`` is ignored there.
+    """
     path = Path(checkpoint)
     if path.is_dir() and (path / "config.json").is_file():
         try:
@@ -489,10 +498,14 @@ def export_checkpoint(checkpoint, out_dir, **options) -> dict:
         except ImportError:
             raise NpuforgeError(
                 f"{path}: Llama-family checkpoints need npuforge.models.llama, which is not "
-                "installed yet; export an RWKV checkpoint instead"
+                "installed; export an RWKV checkpoint instead"
             ) from None
-        llama_opts = {
-            k: options[k] for k in ("variant", "tokens", "dtype", "chunks", "batch") if k in options
-        }
-        return llama.export_llama(path, out_dir, **llama_opts)
+        unsupported = [k for k in RWKV_ONLY_OPTIONS if options.get(k)]
+        if unsupported:
+            flag = "--" + unsupported[0].replace("_", "-")
+            raise NpuforgeError(f"{flag} applies to RWKV exports only; drop it for {path.name}")
+        llama_options = {k: options[k] for k in LLAMA_OPTIONS if k in options}
+        return llama.export_llama(path, out_dir, **llama_options)
+    if path.is_dir():
+        raise NpuforgeError(f"{path}: a directory without config.json; pass a checkpoint file")
     return export_rwkv(path, out_dir, **options)

@@ -42,16 +42,13 @@ def main(argv=None):
         "chunks": args.chunks,
         "dtype": args.dtype,
         "batch": args.batch,
+        "ext_embedding": args.ext_embedding,
+        "fp16_fixes": not args.no_fp16_fixes,
+        "rescale_every": args.rescale_every,
+        "wkv_scale": args.wkv_scale,
+        "last_token_logits": args.last_token_logits,
+        "external_data": True if args.external_data else None,
     }
-    if not args.checkpoint.is_dir():
-        options.update(
-            ext_embedding=args.ext_embedding,
-            fp16_fixes=not args.no_fp16_fixes,
-            rescale_every=args.rescale_every,
-            wkv_scale=args.wkv_scale,
-            last_token_logits=args.last_token_logits,
-            external_data=True if args.external_data else None,
-        )
     export_checkpoint(args.checkpoint, args.out_dir, **options)
 
 
