@@ -147,7 +147,12 @@ def export_variants(model: dict, target: dict) -> list[dict]:
 
     Every option that changes the exported bytes is in the dict (and so in the key).
     """
-    export = target["export"]
+    # A model may override the target's export choices (say, more chunks for a big model).
+    export = dict(target["export"], **model.get("export", {}))
+    if "chunks" in model.get("export", {}):
+        export.pop("chunk_policy", None)
+    elif "chunk_policy" in model.get("export", {}):
+        export.pop("chunks", None)
     base = {
         "family": model["family"],
         "dtype": export["dtype"],

@@ -1,6 +1,8 @@
 """Build matrix: selection, capability checks, shared exports, chunk planning."""
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -159,3 +161,26 @@ def test_prefill_export_is_verified_with_its_decode_partner():
     assert plan.verify_exports("rwkv7-demo", prefill) == [decode, prefill]
     onnx = plan.export_keys("rwkv7-demo", "onnx")[0]
     assert plan.verify_exports("rwkv7-demo", onnx) == [onnx]
+
+
+def test_model_export_overrides_apply_to_every_target():
+    model = dict(MODELS["rwkv7-demo"], export={"chunks": 2, "prefill_tokens": 16})
+    for target in ("SM8650", "onnx", "BM1684X"):
+        variants = export_variants(model, TARGETS[target])
+        assert {v["chunks"] for v in variants} == {2}
+    prefill = export_variants(model, TARGETS["BM1684X"])[1]
+    assert prefill["tokens"] == 16
+
+
+def test_parsing_imports_nothing_heavy():
+    code = (
+        "import importlib, sys, npuforge.registry, npuforge.matrix, npuforge.toolchain\n"
+        "for backend in ('onnx', 'qnn', 'rknn', 'tpumlir'):\n"
+        "    importlib.import_module('npuforge.backends.' + backend)\n"
+        "heavy = {'torch', 'onnx', 'onnxruntime', 'numpy', 'huggingface_hub'} & set(sys.modules)\n"
+        "print(sorted(heavy))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert result.stdout.strip() == "[]"
