@@ -2,9 +2,11 @@
 
 The graphs run through ``npuforge.runtime.GraphChain`` over a seeded token
 sequence (fp16 exports through ``Fp16EmulationSession``, so overflow shows as it
-would on an fp16 NPU). The reference is either BlinkDL's ``rwkv`` package
-(strategy ``cpu fp32``) on the same checkpoint, or another export directory
-(``onnx-fp32:DIR``). Figures, all over every step and batch row:
+would on an fp16 NPU). The reference (``auto``, alias ``rwkv``) is the family's
+own implementation on the same checkpoint — BlinkDL's ``rwkv`` package (strategy
+``cpu fp32``) for RWKV, ``npuforge.models.<family>.reference_logits`` otherwise —
+or another export directory (``onnx-fp32:DIR``). Figures, over every step and
+batch row:
 
 * ``max_abs_rel``: max |Δlogit| / max |reference logit|
 * ``cosine`` (minimum per step) and ``cosine_mean``
@@ -196,7 +198,7 @@ def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dic
     return figures
 
 
-def verify_export(export_dirs, checkpoint=None, steps=64, reference="rwkv") -> dict:
+def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> dict:
     """Run the checks; return the report dict (``verify_onnx.py`` writes it as JSON)."""
     if not export_dirs:
         raise NpuforgeError("give at least one --export directory")
@@ -209,13 +211,21 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="rwkv") -> d
     tokens = seeded_tokens(meta["vocab_size"], decode.batch, steps)
     logits = decode.run(tokens)
 
-    if reference == "rwkv":
-        if meta["family"] != "rwkv":
-            raise NpuforgeError("--reference rwkv only checks RWKV exports; use onnx-fp32:DIR")
+    if reference in ("auto", "rwkv"):
         if checkpoint is None:
-            raise NpuforgeError("--reference rwkv needs --checkpoint")
-        ref_logits = rwkv_reference_logits(checkpoint, tokens)
-        ref_name = "rwkv package (BlinkDL) cpu fp32"
+            raise NpuforgeError(f"--reference {reference} needs --checkpoint")
+        if meta["family"] == "rwkv":
+            ref_logits = rwkv_reference_logits(checkpoint, tokens)
+            ref_name = "rwkv package (BlinkDL) cpu fp32"
+        else:
+            family = importlib.import_module(f"npuforge.models.{meta['family']}")
+            if not hasattr(family, "reference_logits"):
+                raise NpuforgeError(
+                    f"family {meta['family']!r} has no reference implementation; "
+                    "use --reference onnx-fp32:DIR"
+                )
+            ref_logits = family.reference_logits(checkpoint, tokens)
+            ref_name = f"{meta['family']} reference implementation (fp32)"
     elif reference.startswith("onnx-fp32:"):
         ref_chain = open_chain(reference[len("onnx-fp32:") :])
         if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":
@@ -223,7 +233,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="rwkv") -> d
         ref_logits = ref_chain.run(tokens)
         ref_name = "onnxruntime fp32"
     else:
-        raise NpuforgeError(f"--reference {reference!r} is unknown; use rwkv or onnx-fp32:DIR")
+        raise NpuforgeError(f"--reference {reference!r} is unknown; use auto or onnx-fp32:DIR")
 
     report = compare(logits, ref_logits)
     report.update(

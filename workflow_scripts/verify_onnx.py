@@ -18,9 +18,13 @@ def main(argv=None):
         type=Path,
         help="decode export dir; a second --export (prefill) adds prefill_vs_decode",
     )
-    parser.add_argument("--checkpoint", type=Path, help="needed for --reference rwkv")
+    parser.add_argument("--checkpoint", type=Path, help="needed for --reference auto")
     parser.add_argument("--tokens", type=int, default=64, help="steps to run")
-    parser.add_argument("--reference", default="rwkv", help="rwkv | onnx-fp32:DIR")
+    parser.add_argument(
+        "--reference",
+        default="auto",
+        help="auto (= rwkv: the family's reference implementation) | onnx-fp32:DIR",
+    )
     parser.add_argument("--out", required=True, type=Path, help="report.json")
     args = parser.parse_args(argv)
 
