@@ -54,10 +54,12 @@ def copy_workflow(dest: Path) -> Path:
     return dest
 
 
-def snakemake(workdir: Path, *args, check=False) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args, check=False, env=None) -> subprocess.CompletedProcess:
     """Run the real snakemake CLI of this interpreter in ``workdir``."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *map(str, args)]
-    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=script_env())
+    result = subprocess.run(
+        cmd, cwd=workdir, capture_output=True, text=True, env=env or script_env()
+    )
     if check and result.returncode != 0:
         raise AssertionError(
             f"snakemake {' '.join(map(str, args))} failed:\n{result.stdout[-4000:]}\n"

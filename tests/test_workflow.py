@@ -1,6 +1,7 @@
 """The Snakemake workflow, run for real on temporary copies of the repository."""
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake
+from conftest import REPO, script_env, snakemake
 
 EXTRA_TARGETS = {
     # Reference-backend targets with different needs: no vendor toolchain required.
@@ -217,3 +218,18 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     shutil.rmtree(workflow / "results")
     snakemake(workflow, check=True)
     assert release_files(workflow) == first
+
+
+def test_missing_toolchain_stops_before_any_job(workflow, tmp_path):
+    # A PATH with this interpreter and a coreutils directory only: no container engine.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("sh", "bash", "env", "cat", "mkdir", "dirname"):
+        if shutil.which(tool):
+            (bare / tool).symlink_to(shutil.which(tool))
+    env = script_env(PATH=os.pathsep.join((str(Path(sys.executable).parent), str(bare))))
+    result = snakemake(workflow, "--config", "target=RK3588", "toolchain_runtime=docker", env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "npuforge: target RK3588: container engine 'docker' is not installed" in output
+    assert "Job stats" not in output and not (workflow / "results").exists()
