@@ -1,6 +1,7 @@
 rule calibrate:
     input:
         export=f"{RESULTS}/export/{{model}}/{{key}}",
+        texts=calibration_text_files(),
     output:
         directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
     log:
@@ -14,10 +15,6 @@ rule calibrate:
         samples=config["calibration"]["samples"],
         steps=config["calibration"]["steps"],
         seed=config["calibration"]["seed"],
-        text=(
-            f"--text {config['calibration']['text']}"
-            if config["calibration"].get("text")
-            else ""
-        ),
+        text=lambda w: calibration_text(),
     shell:
-        "python workflow_scripts/make_calibration_samples.py --export {input.export} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} {params.text} > {log} 2>&1"
+        "python workflow_scripts/make_calibration_samples.py --export {input.export} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"

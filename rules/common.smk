@@ -114,6 +114,17 @@ def verify_report(model, key):
     return f"{RESULTS}/verify/{model}/{key}.json"
 
 
+def calibration_text():
+    # The project's own calibration texts unless the config names a file or directory.
+    return config["calibration"].get("text") or "data/calibration/text"
+
+
+def calibration_text_files():
+    # Declared as inputs so that editing a text reruns the calibration.
+    path = Path(calibration_text())
+    return sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+
+
 def calibration_dir(model, target):
     # Calibration follows the target's first (decode) export.
     return f"{RESULTS}/calibration/{model}/{PLAN.export_keys(model, target)[0]}"

@@ -18,6 +18,7 @@ WORKFLOW_PARTS = (
     "envs",
     "workflow_scripts",
     "npuforge",
+    "data",
 )
 
 
