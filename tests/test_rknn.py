@@ -189,10 +189,10 @@ def test_parse_placement_counts_cpu_fallback():
 
 
 def test_plan_chunks_and_precision_checks():
-    # 36 bytes/param: 25M params ~ 0.9 GB; a 0.45B model needs 3 chunks in 8 GB.
+    # 46 bytes/param: 25M params ~ 1.2 GB; a 0.45B model needs 3 chunks in 8 GB.
     assert rknn.plan_chunks(25_000_000, "fp16", 8) == 1
     assert rknn.plan_chunks(450_000_000, "fp16", 8) == 3
-    assert rknn.plan_chunks(450_000_000, "fp16", 2) == 9
+    assert rknn.plan_chunks(450_000_000, "fp16", 2) == 11
     rknn.check_precision("RK3588", RK3588, "w16a16i_dfp")
     with pytest.raises(NpuforgeError, match="cannot build precision 'w16a16i_dfp'"):
         rknn.check_precision("RK3576", {"target_platform": "rk3576"}, "w16a16i_dfp")
