@@ -295,9 +295,13 @@ def run_job(
             stamp, job_script, spec_path, read_only=read_only, writable=writable, env=env
         )
         full_env = None
-    with tempfile.TemporaryFile("w+", encoding="utf-8") as captured:
+    # Toolkits drop debug files into their working directory: give them a scratch one.
+    with (
+        tempfile.TemporaryFile("w+", encoding="utf-8") as captured,
+        tempfile.TemporaryDirectory(prefix="npuforge-job-") as scratch,
+    ):
         result = subprocess.run(
-            cmd, stdout=captured, stderr=subprocess.STDOUT, env=full_env, text=True
+            cmd, stdout=captured, stderr=subprocess.STDOUT, env=full_env, text=True, cwd=scratch
         )
         captured.seek(0)
         output = captured.read()
