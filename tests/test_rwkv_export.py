@@ -226,3 +226,18 @@ def test_bad_options_leave_no_output(tmp_path, v7):
             export_rwkv(v7, tmp_path / "out", **options)
         assert not (tmp_path / "out").exists()
     assert not [p for p in Path(tmp_path).iterdir()]
+
+
+def test_external_data_chosen_past_the_protobuf_limit(tmp_path, v7, exports, monkeypatch):
+    import npuforge.export as export_module
+
+    # Pretend protobuf's limit is 96 MB: the 4 x 256 graphs (~140 MB fp32) cross it.
+    monkeypatch.setattr(export_module, "PROTOBUF_LIMIT", 96 << 20)
+    meta = export_rwkv(v7, tmp_path / "auto")
+    assert meta["options"]["external_data"] is True
+    assert (tmp_path / "auto" / "chunk0.onnx.data").stat().st_size > 96 << 20
+    monkeypatch.undo()
+    inline = GraphChain(exports("c1"))
+    assert inline.meta["options"]["external_data"] is False
+    tokens = seeded_tokens(65536, 1, 4)
+    assert np.array_equal(GraphChain(tmp_path / "auto").run(tokens), inline.run(tokens))
