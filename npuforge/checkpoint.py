@@ -55,8 +55,11 @@ def _drop_pages(tensor) -> None:
     length = (start + size) - begin
     length -= length % page  # whole pages only: a partial page may hold a neighbour
     if length > 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
+        try:  # best effort: only a memory saving, never needed for correctness
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(length), 4)  # MADV_DONTNEED
+        except (OSError, AttributeError):
+            pass
 
 
 def _load_pth(path: Path) -> dict:

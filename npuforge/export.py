@@ -57,7 +57,8 @@ def write_embedding_bin(path, table) -> None:
         handle.write(
             EMBEDDING_HEADER.pack(EMBEDDING_MAGIC, 1, codes[table.dtype.name], *table.shape)
         )
-        handle.write(table.astype(table.dtype.newbyteorder("<"), copy=False).tobytes())
+        little = np.ascontiguousarray(table.astype(table.dtype.newbyteorder("<"), copy=False))
+        handle.write(memoryview(little).cast("B"))
 
 
 def read_embedding_bin(path, mmap: bool = True):
@@ -407,6 +408,7 @@ def export_rwkv(
             write_embedding_bin(
                 tmp / "embedding.bin", rwkv.prepared_embedding(ckpt).numpy().astype(np_dtype)
             )
+            ckpt.release_touched()
             embedding = {
                 "file": "embedding.bin",
                 "sha256": sha256_file(tmp / "embedding.bin"),
