@@ -154,6 +154,8 @@ def _prepare_native(backend, stamp_path, repo_root, target_options, log) -> dict
     lock = env_dir(backend, repo_root) / "requirements.lock"
     if not lock.is_file():
         raise NpuforgeError(f"backend '{backend}' has no {lock}: cannot build a native toolchain")
+    # Locks are complete (every package pinned), and some toolkits declare pins that the
+    # lock deliberately overrides (rknn-toolkit2 asks for torch<=2.4): install exactly the lock.
     venv = Path(stamp_path).resolve().parent / f"{backend}-native-{env_hash(backend, repo_root)}"
     python = venv / "bin" / "python"
     if not (venv / ".complete").exists():
@@ -163,7 +165,7 @@ def _prepare_native(backend, stamp_path, repo_root, target_options, log) -> dict
             _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
             env = {**os.environ, **_pip_environment()}
             _run(
-                [python, "-m", "pip", "install", "--no-input", "-r", lock],
+                [python, "-m", "pip", "install", "--no-input", "--no-deps", "-r", lock],
                 log=log,
                 env=env,
                 what=f"installing {lock}",
