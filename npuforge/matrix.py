@@ -196,10 +196,23 @@ def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     return plan
 
 
-def check_toolchains(plan: Plan, runtime: str, unavailable_reason) -> None:
-    """Ask the toolchain module about every selected vendor target; stop at the first refusal."""
+def check_toolchains(plan: Plan, runtime: str, unavailable_reason, *, skip: bool = False):
+    """Ask the toolchain module about every selected vendor target.
+
+    A target named on the command line whose toolchain is missing stops the run
+    (one line saying how to provide it). With ``skip`` (``target=all``) such
+    targets are dropped instead, so the rest of the matrix still builds; the
+    dropped ``(target, reason)`` pairs are returned for the caller to report.
+    """
+    skipped = []
     for target_id in plan.vendor_targets():
         target = plan.targets[target_id]
         reason = unavailable_reason(target["backend"], runtime, target["options"])
-        if reason:
+        if reason and not skip:
             raise NpuforgeError(f"target {target_id}: {reason}")
+        if reason:
+            skipped.append((target_id, reason))
+    if skipped:
+        dropped = {target_id for target_id, _ in skipped}
+        plan.builds = [b for b in plan.builds if b.target not in dropped]
+    return skipped

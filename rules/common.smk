@@ -20,7 +20,12 @@ else:
     shell.prefix(f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
 
 from npuforge.errors import NpuforgeError
-from npuforge.matrix import REFERENCE_BACKEND, check_toolchains, make_plan
+from npuforge.matrix import (
+    REFERENCE_BACKEND,
+    check_toolchains,
+    make_plan,
+    parse_selection,
+)
 from npuforge.registry import check_registries, load_registries
 
 MAIN_ENV = "../envs/main/environment.yaml"
@@ -44,7 +49,11 @@ try:
         # Imported only when a vendor target is selected; the check itself is light.
         from npuforge.toolchain import unavailable_reason
 
-        check_toolchains(PLAN, RUNTIME, unavailable_reason)
+        skip = parse_selection(config.get("target")) == ["all"]
+        for _target, _reason in check_toolchains(
+            PLAN, RUNTIME, unavailable_reason, skip=skip
+        ):
+            print(f"npuforge: skipping target {_target}: {_reason}", file=sys.stderr)
 except NpuforgeError as err:
     _stop(err)
 

@@ -148,6 +148,19 @@ def test_toolchain_check_asks_for_vendor_targets_only():
         check_toolchains(plan, "native", refuse)
 
 
+def test_target_all_skips_unavailable_toolchains_and_keeps_the_rest():
+    def only_rknn_missing(backend, runtime, options):
+        return "rknn-toolkit2 is missing" if backend == "rknn" else None
+
+    plan = make_plan(selection(target="all", precision=""), MODELS, TARGETS)
+    skipped = check_toolchains(plan, "native", only_rknn_missing, skip=True)
+    rknn_targets = sorted(t for t, spec in TARGETS.items() if spec["backend"] == "rknn")
+    assert sorted(t for t, _ in skipped) == rknn_targets
+    built = {b.target for b in plan.builds}
+    assert not built & set(rknn_targets)
+    assert {"onnx", "SM8650"} <= built
+
+
 def test_registries_are_not_mutated_by_planning():
     before = copy.deepcopy(TARGETS)
     make_plan(selection(target="all", precision=""), MODELS, TARGETS)
