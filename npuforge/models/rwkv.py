@@ -61,10 +61,6 @@ class RwkvConfig:
     ffn_dim: int
     lora: dict = field(default_factory=dict)
 
-    @property
-    def C(self):  # noqa: N802 - the papers' name
-        return self.embed_dim
-
 
 def default_lora(version: int, embed_dim: int) -> dict:
     """LoRA ranks the official training code picks for an embedding size."""
@@ -471,7 +467,7 @@ def build_chunk(spec: GraphSpec, device="cpu"):
 
     cfg = spec.config
     dtype = torch.float16 if spec.dtype == "fp16" else torch.float32
-    H, N, C = cfg.n_heads, cfg.head_size, cfg.embed_dim  # noqa: N806
+    H, N, C = cfg.n_heads, cfg.head_size, cfg.embed_dim  # the papers' names
 
     class Params(nn.Module):
         """A flat bag of named parameters (dots in names become submodules)."""
@@ -484,7 +480,7 @@ def build_chunk(spec: GraphSpec, device="cpu"):
         # per-channel affine (compilers fuse LayerNormalization and accumulate it wide).
         return F.layer_norm(y, (N,), eps=eps) * weight + bias
 
-    B, T = spec.batch, spec.tokens  # noqa: N806 - static shapes, never read off tensors
+    B, T = spec.batch, spec.tokens  # static shapes, never read off tensors
 
     def shifted(x, shift):
         """The previous token's x for each position: [B, T, C]."""
