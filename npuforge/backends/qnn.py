@@ -612,6 +612,10 @@ def _manifest(
             ),
         },
         "toolchain": {"runtime": stamp.get("runtime"), "versions": versions},
+        "reproducible": (
+            "no: QAIRT 2.51's HTP compiler leaves a few 32-64-byte spans of a context differing "
+            "run to run (also in a plain ONNX Runtime call); sha256 identifies this build only"
+        ),
         "qairt": {
             "version": qairt_version,
             "source": "read from the produced context binaries",

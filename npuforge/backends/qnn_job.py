@@ -446,12 +446,13 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
 
 
 def compile_chunks(spec: dict, spec_path: str) -> dict:
-    """Compile every chunk, each in a fresh process.
+    """Compile every chunk, each in a fresh process with glibc's MALLOC_PERTURB_ set.
 
-    The HTP compiler leaves padding bytes of a context uninitialised; in a fresh
-    process with glibc's MALLOC_PERTURB_ set they hold the same bytes every
-    run, which makes the binaries reproducible (a second compile in the same
-    process picks up heap left by the first).
+    A second compile in one process picks up heap left by the first, which made
+    small graphs' binaries differ run to run; this removes that. It does not make
+    QAIRT 2.51's HTP compiler itself reproducible: on larger graphs (the demo
+    RWKV-7) a few hundred bytes in 32-64-byte spans differ between runs of the
+    very same plain ONNX Runtime call, with or without this.
     """
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
