@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
-from npuforge.fileio import write_json
+from npuforge.fileio import atomic_path, write_json
 
 RUNTIMES = ("native", "podman", "docker")
 CONTAINER_RUNTIMES = ("podman", "docker")
@@ -259,6 +259,38 @@ def _last_error_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+# personality(ADDR_NO_RANDOMIZE): jobs that need the same heap addresses every run
+# (rknn-toolkit2 writes raw pointers into .rknn files) turn off address randomisation.
+ADDR_NO_RANDOMIZE = 0x0040000
+PODMAN_DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
+
+
+def seccomp_profile(default_profile=PODMAN_DEFAULT_SECCOMP) -> Path | None:
+    """The engine's default seccomp profile plus one rule: personality(ADDR_NO_RANDOMIZE).
+
+    Everything else the default refuses stays refused (unlike seccomp=unconfined).
+    Returns None when the default profile is not on this machine.
+    """
+    default_profile = Path(default_profile)
+    if not default_profile.is_file():
+        return None
+    profile = json.loads(default_profile.read_text())
+    profile["syscalls"].append(
+        {
+            "names": ["personality"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": ADDR_NO_RANDOMIZE, "valueTwo": 0, "op": "SCMP_CMP_EQ"}],
+        }
+    )
+    text = json.dumps(profile, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"npuforge-seccomp-{digest}.json"
+    if not path.is_file():
+        with atomic_path(path) as tmp:
+            tmp.write_text(text)
+    return path
+
+
 def container_command(stamp, job_script, spec_path, *, read_only=(), writable=(), env=None):
     """The engine command line that runs one job; pure, so tests can check it."""
     engine = stamp["runtime"]
@@ -269,6 +301,9 @@ def container_command(stamp, job_script, spec_path, *, read_only=(), writable=()
     if engine == "podman" and uid != 0:
         cmd += ["--userns=keep-id"]
     cmd += ["--user", f"{uid}:{gid}", "-e", "HOME=/tmp"]
+    profile = seccomp_profile() if engine == "podman" else None
+    if profile is not None:
+        cmd += ["--security-opt", f"seccomp={profile}"]
     for key, value in sorted((env or {}).items()):
         cmd += ["-e", f"{key}={value}"]
     mounts = {job_script.parent: "ro", spec_path: "ro"}

@@ -23,6 +23,10 @@ JOB_PY = textwrap.dedent(
         print("progress line")
         print("RuntimeError: the compiler rejected node X", file=sys.stderr)
         sys.exit(3)
+    if spec.get("aslr"):
+        import ctypes
+        allowed = ctypes.CDLL(None, use_errno=True).personality(0x0040000) != -1
+        open(os.path.join(spec["out_dir"], "aslr.txt"), "w").write(str(allowed))
     with open(os.path.join(spec["out_dir"], "result.txt"), "w") as out:
         out.write(open(spec["input"]).read().upper() + os.environ.get("EXTRA", ""))
     """
@@ -151,6 +155,21 @@ def test_container_command_isolates_the_job(tmp_path):
     assert "MALLOC_PERTURB_=0" in cmd
 
 
+def test_seccomp_profile_adds_only_the_no_randomize_personality(tmp_path):
+    default = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}],
+    }
+    (tmp_path / "seccomp.json").write_text(json.dumps(default))
+    derived = json.loads(toolchain.seccomp_profile(tmp_path / "seccomp.json").read_text())
+    assert derived["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert derived["syscalls"][0] == default["syscalls"][0]
+    added = derived["syscalls"][1:]
+    assert [rule["names"] for rule in added] == [["personality"]]
+    assert added[0]["args"][0]["value"] == toolchain.ADDR_NO_RANDOMIZE
+    assert toolchain.seccomp_profile(tmp_path / "missing.json") is None
+
+
 def podman_with_base_image():
     if shutil.which("podman") is None:
         return "podman is not installed (envs/base/setup-podman.sh installs it)"
@@ -182,6 +201,13 @@ def test_podman_runtime_runs_the_job_offline_as_the_user(tmp_path):
         result = out_dir / "result.txt"
         assert result.read_text() == "HELLO"
         assert result.stat().st_uid == os.getuid()
+
+        # The derived seccomp profile lets a job turn off address randomisation.
+        job, spec, out_dir = write_job(tmp_path, aslr=True)
+        toolchain.run_job(
+            stamp_path, job, spec, read_only=[tmp_path / "in.txt"], writable=[out_dir]
+        )
+        assert (out_dir / "aslr.txt").read_text() == "True"
 
         job, spec, _ = write_job(tmp_path, fail=True)
         with pytest.raises(NpuforgeError, match="the compiler rejected node X"):
