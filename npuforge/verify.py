@@ -188,6 +188,9 @@ def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dic
     decode_chain.state = {
         k: prefill.state[k].astype(v.dtype) for k, v in decode_chain.state.items()
     }
+    # Position-indexed inputs (a KV cache's mask, RoPE rows, write slots) continue where
+    # the prefill stopped; recurrent families ignore the counter.
+    decode_chain.position = prefill.position
     for start in range(n_prefill, steps):
         pieces.append(decode_chain.step(tokens[:, start : start + 1]))
         positions.append(start)

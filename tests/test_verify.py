@@ -89,3 +89,21 @@ def test_bad_arguments(tmp_path, synth):
     out = tmp_path / "r.json"
     argv = ["--export", str(tmp_path / "missing"), "--checkpoint", str(ckpt), "--out", str(out)]
     assert run_cli(load_script("verify_onnx").main, argv) == 2 and not out.exists()
+
+
+def test_llama_prefill_then_decode_continues_positions(tmp_path):
+    # The KV-cache graphs take position-indexed inputs (mask, RoPE rows, write slots):
+    # decode must continue at the prefill's position, not restart at 0.
+    from npuforge.models import llama
+
+    dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=64, intermediate=48, seed=5)
+    llama.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
+    for variant, tokens in (("decode", 1), ("prefill", 4)):
+        llama.export_llama(
+            tmp_path / "ckpt", tmp_path / variant, variant=variant, tokens=tokens, cache_len=16
+        )
+    report = verify_export([tmp_path / "decode", tmp_path / "prefill"], tmp_path / "ckpt", steps=12)
+    assert report["max_abs_rel"] <= 1e-4 and report["top1_agreement"] == 1.0
+    pvd = report["prefill_vs_decode"]
+    assert pvd["prefill_tokens"] == 8 and pvd["compared_steps"] == 12
+    assert pvd["max_abs_rel"] <= 1e-5, pvd
