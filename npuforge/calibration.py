@@ -117,12 +117,59 @@ def tokenize_documents(documents, vocab_size: int, tokenizer=None) -> list:
     return arrays
 
 
-def heldout_tokens(count: int, vocab_size: int, text=None):
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: the fallback for a checkpoint without a tokenizer.
+
+    Not the model's vocabulary (there is none): only deterministic, in-range ids
+    (bytes folded into the vocabulary size) for calibration and verification runs.
+    """
+
+    def encode(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+
+class HfTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise NpuforgeError(
+                "calibrating a model with a tokenizer.json needs the 'tokenizers' package"
+            ) from None
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def tokenizer_for(meta: dict, checkpoint=None) -> tuple:
+    """``(tokenizer, description)`` for the texts of an export's model.
+
+    RWKV: the World tokenizer. Llama family: the checkpoint's ``tokenizer.json`` when
+    it has one, else the byte fallback (labelled so in calibration.json).
+    """
+    if meta.get("family", "rwkv") == "rwkv":
+        return world_tokenizer(), {"kind": "rwkv-world"}
+    path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
+    if path is not None and path.is_file():
+        from npuforge.fileio import sha256_file
+
+        return HfTokenizer(path), {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
+    why = "the checkpoint has no tokenizer.json" if checkpoint else "no --checkpoint given"
+    return ByteTokenizer(), {
+        "kind": "bytes",
+        "note": f"{why}: token ids are UTF-8 bytes folded into the vocabulary, not a vocabulary",
+    }
+
+
+def heldout_tokens(count: int, vocab_size: int, text=None, tokenizer=None):
     """``count`` tokens of the held-out text (repeated if short): the verification input."""
     import numpy as np
 
     docs = read_documents(text or HELDOUT_TEXT)
-    ids = np.concatenate(tokenize_documents(docs, vocab_size))
+    ids = np.concatenate(tokenize_documents(docs, vocab_size, tokenizer))
     if ids.size == 0:
         raise NpuforgeError("held-out verification text is empty")
     return np.resize(ids, int(count)).astype(np.int64)
@@ -181,9 +228,21 @@ def _write_npz(path: Path, arrays: dict) -> None:
 
 
 def make_calibration_samples(
-    export_dir, out_dir, *, samples: int, steps: int, seed: int, text=None, zero_state=False
+    export_dir,
+    out_dir,
+    *,
+    samples: int,
+    steps: int,
+    seed: int,
+    text=None,
+    zero_state=False,
+    checkpoint=None,
 ) -> dict:
-    """Capture ``samples`` input sets of every chunk and write them in each vendor format."""
+    """Capture ``samples`` input sets of every chunk and write them in each vendor format.
+
+    ``checkpoint``: the exported checkpoint, whose tokenizer (``tokenizer_for``) turns
+    the texts into ids for Llama-family exports; RWKV uses the World tokenizer.
+    """
     import numpy as np
 
     from npuforge.runtime import GraphChain
@@ -198,7 +257,8 @@ def make_calibration_samples(
             f"batch {chain.batch}, {chain.tokens_per_call} tokens per call"
         )
     documents = read_documents(text)
-    doc_tokens = tokenize_documents(documents, meta["vocab_size"])
+    tokenizer, tokenizer_info = tokenizer_for(meta, checkpoint)
+    doc_tokens = tokenize_documents(documents, meta["vocab_size"], tokenizer)
     plan = plan_samples(doc_tokens, samples, steps, seed, zero_state)
 
     graphs = meta["graphs"]
@@ -260,13 +320,16 @@ def make_calibration_samples(
                 "documents": [name for name, _ in documents],
                 "sha256": text_digest(documents),
                 "tokens": int(sum(len(t) for t in doc_tokens)),
+                "tokenizer": tokenizer_info,
             },
             "runs": [
                 {"document": documents[d][0], "start": s, "capture_step": c} for d, s, c in plan
             ],
             "export": {"graphs": [{"file": g["file"], "sha256": g.get("sha256")} for g in graphs]},
             # Held-out text for backends' recurrent verification runs (never calibrated on).
-            "tokens": [int(t) for t in heldout_tokens(VERIFY_TOKENS, meta["vocab_size"])],
+            "tokens": [
+                int(t) for t in heldout_tokens(VERIFY_TOKENS, meta["vocab_size"], None, tokenizer)
+            ],
             "chunks": chunks,
         }
         write_json(tmp / "calibration.json", record)

@@ -176,7 +176,15 @@ def load_checkpoint(path) -> Checkpoint:
 
 
 def inspect_checkpoint(path) -> dict:
-    """The facts ``inspect_checkpoint.py`` writes to info.json."""
+    """The facts ``inspect_checkpoint.py`` writes to info.json.
+
+    A directory is a Hugging Face Llama-family checkpoint (``inspect_llama``); a file
+    is an RWKV checkpoint.
+    """
+    if Path(path).is_dir():
+        from npuforge.models.llama import inspect_llama
+
+        return inspect_llama(path)
     ckpt = load_checkpoint(path)
     cfg = ckpt.config
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in ckpt.tensors.values()})

@@ -482,8 +482,20 @@ def export_rwkv(
     return meta
 
 
-LLAMA_OPTIONS = ("variant", "tokens", "dtype", "chunks", "batch", "ext_embedding", "external_data")
+LLAMA_OPTIONS = (
+    "variant",
+    "tokens",
+    "dtype",
+    "chunks",
+    "batch",
+    "ext_embedding",
+    "external_data",
+    "cache_len",
+    "sha",
+    "mask_value",
+)
 RWKV_ONLY_OPTIONS = ("rescale_every", "wkv_scale", "last_token_logits")
+LLAMA_ONLY_OPTIONS = ("cache_len", "sha", "mask_value")
 
 
 def export_checkpoint(checkpoint, out_dir, **options) -> dict:
@@ -506,8 +518,16 @@ def export_checkpoint(checkpoint, out_dir, **options) -> dict:
         if unsupported:
             flag = "--" + unsupported[0].replace("_", "-")
             raise NpuforgeError(f"{flag} applies to RWKV exports only; drop it for {path.name}")
-        llama_options = {k: options[k] for k in LLAMA_OPTIONS if k in options}
+        # None means "the family's default" (argparse gives None for flags not passed).
+        llama_options = {
+            k: options[k] for k in LLAMA_OPTIONS if k in options and options[k] is not None
+        }
         return llama.export_llama(path, out_dir, **llama_options)
     if path.is_dir():
         raise NpuforgeError(f"{path}: a directory without config.json; pass a checkpoint file")
+    unsupported = [k for k in LLAMA_ONLY_OPTIONS if options.get(k)]
+    if unsupported:
+        flag = "--" + unsupported[0].replace("_", "-")
+        raise NpuforgeError(f"{flag} applies to Llama-family exports only; drop it for {path.name}")
+    options = {k: v for k, v in options.items() if k not in LLAMA_ONLY_OPTIONS}
     return export_rwkv(path, out_dir, **options)

@@ -6,7 +6,9 @@ Sources (exactly one per model, see config/models.yaml):
              repository (an HF model directory); both through the user's HF cache, with
              HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE honoured
   path       an absolute path to a local file (or directory, for format hf)
-  synthetic  {version, layers, embed, vocab, ...}: the deterministic generator
+  synthetic  {version, layers, embed, vocab, ...}: the deterministic generator (RWKV file;
+             with format hf {layers, embed, heads, kv_heads, vocab, intermediate, seed,
+             arch, ...}: a Llama-family model directory)
 
 A directory checkpoint (output name ending in .hf) is hashed as a tree: the sha256
 of its SHA256SUMS-style listing ("<sha256>  <relative path>" lines, sorted by path).
@@ -170,6 +172,6 @@ def _first_line(err) -> str:
 
 
 def _make_synthetic(spec: dict, out: Path, fmt: str) -> None:
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge.synthetic import write_synthetic_source
 
-    write_synthetic_checkpoint(out, fmt=fmt, **spec)
+    write_synthetic_source(out, spec, fmt)

@@ -14,6 +14,9 @@ from npuforge.errors import NpuforgeError
 
 # The backend that needs no vendor toolchain (onnxruntime on the CPU).
 REFERENCE_BACKEND = "onnx"
+# npuforge.models.llama.MASK_VALUE, repeated here: the Snakefile imports this module
+# while parsing and must not import torch (tests check the two agree).
+LLAMA_MASK_VALUE = -64.0
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,33 @@ def select_builds(config: dict, models: dict, targets: dict) -> list[Build]:
                     )
             precisions = wanted
         for model_id in model_ids:
-            for precision in precisions:
+            chosen = model_precisions(model_id, models[model_id], target_id, precisions, wanted)
+            for precision in chosen:
                 builds.append(Build(model_id, target_id, precision))
     return builds
+
+
+def model_precisions(model_id, model, target_id, precisions, wanted) -> list[str]:
+    """The target's precisions narrowed by the model's own ``precisions[target]`` list.
+
+    With nothing selected: the target's defaults among the model's list (the list
+    itself when none of them is in it); with ``all``: the model's list; a precision
+    named on the command line outside the list stops the run.
+    """
+    allowed = model.get("precisions", {}).get(target_id)
+    if allowed is None:
+        return precisions
+    if not wanted:
+        return [p for p in precisions if p in allowed] or list(allowed)
+    if wanted == ["all"]:
+        return list(allowed)
+    for precision in precisions:
+        if precision not in allowed:
+            raise NpuforgeError(
+                f"model {model_id} is built for {target_id} in {', '.join(allowed)} only "
+                f"(its registry entry's precisions), not '{precision}'"
+            )
+    return precisions
 
 
 def estimate_params(model: dict) -> int:
@@ -159,9 +186,19 @@ def export_variants(model: dict, target: dict) -> list[dict]:
         "ext_embedding": bool(export.get("ext_embedding", False)),
         "batch": int(export.get("batch", 1)),
         "chunks": plan_chunks(model, export),
-        "fp16_fixes": bool(export.get("fp16_fixes", True)),
-        "last_token_logits": bool(export.get("last_token_logits", False)),
     }
+    if export.get("external_data"):
+        # weights in chunkN.onnx.data even below the 2 GB protobuf limit
+        base["external_data"] = True
+    if model["family"] == "llama":
+        # KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
+        # graph choice (the Qualcomm HTP targets ask for it) that changes the bytes.
+        base["cache_len"] = int(model["context_length"])
+        base["sha"] = bool(export.get("sha", False))
+        base["mask_value"] = float(export.get("mask_value", LLAMA_MASK_VALUE))
+    else:
+        base["fp16_fixes"] = bool(export.get("fp16_fixes", True))
+        base["last_token_logits"] = bool(export.get("last_token_logits", False))
     variants = []
     for variant in export["variants"]:
         options = dict(base, variant=variant)

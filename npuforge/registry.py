@@ -97,18 +97,32 @@ def check_registries(models: dict, targets: dict) -> None:
                         f"model {model_id}: source.synthetic.{dim}={synthetic[dim]} differs from "
                         f"arch.{arch_key}={model['arch'][arch_key]}; make them agree"
                     )
-            if synthetic["version"] != model["version"]:
+            if "version" in synthetic and synthetic["version"] != model.get("version"):
                 raise NpuforgeError(
                     f"model {model_id}: source.synthetic.version={synthetic['version']} differs "
-                    f"from version={model['version']}; make them agree"
+                    f"from version={model.get('version')}; make them agree"
                 )
         snapshot = bool(model["source"].get("hf", {}).get("snapshot"))
-        if snapshot != (model["format"] == "hf") and "path" not in model["source"]:
+        # A path or a synthetic source may be either a file or a directory.
+        fixed_kind = "path" not in model["source"] and not synthetic
+        if fixed_kind and snapshot != (model["format"] == "hf"):
             raise NpuforgeError(
                 f"model {model_id}: format {model['format']} needs "
                 f"{'hf.snapshot: true' if model['format'] == 'hf' else 'a single-file source'}; "
                 "format hf goes with a snapshot (or a directory path), pth/safetensors with a file"
             )
+        for target_id, precisions in model.get("precisions", {}).items():
+            if target_id not in targets:
+                raise NpuforgeError(
+                    f"model {model_id}: precisions names unknown target '{target_id}'; "
+                    f"valid targets: {', '.join(targets)}"
+                )
+            for precision in precisions:
+                if precision not in targets[target_id]["precisions"]:
+                    raise NpuforgeError(
+                        f"model {model_id}: precision '{precision}' for {target_id} is not among "
+                        f"the target's precisions ({', '.join(targets[target_id]['precisions'])})"
+                    )
         path = model["source"].get("path")
         if path is not None and not Path(path).is_absolute():
             raise NpuforgeError(f"model {model_id}: source.path '{path}' must be an absolute path")

@@ -3,7 +3,8 @@
 Layout (the public contract, see README):
 
     results/release/{model}/{target}/{precision}/
-        <binaries listed in compile.json>  tokenizer.bin  [embedding.bin]
+        <binaries listed in compile.json>  tokenizer (tokenizer.bin | tokenizer.json, none
+        for a model registered with tokenizer: none)  [embedding.bin]
         manifest.json  SHA256SUMS
     results/release/{model}/{target}/{precision}.tar.gz
 
@@ -28,6 +29,11 @@ from npuforge.fileio import atomic_path, dumps_json, read_json, sha256_file
 MANIFEST = "manifest.json"
 SUMS = "SHA256SUMS"
 MANIFEST_FORMAT = 1
+# inputs.tokenizer of a model registered with tokenizer: none (no invented vocabulary).
+NO_TOKENIZER = (
+    "the checkpoint has no tokenizer (registry tokenizer: none, e.g. random test weights), "
+    "so the bundle ships none"
+)
 # Main-environment packages whose versions can change the bytes of an artifact.
 RECORDED_PACKAGES = ("numpy", "onnx", "onnxruntime", "torch", "rwkv", "huggingface_hub")
 REPO_ROOT = Path(npuforge.__file__).resolve().parents[1]
@@ -115,7 +121,8 @@ def build_bundle(
     tarball,
 ) -> dict:
     """Assemble the release directory and its tarball; return the manifest."""
-    compiled_dir, tokenizer = Path(compiled_dir), Path(tokenizer)
+    compiled_dir = Path(compiled_dir)
+    tokenizer = Path(tokenizer) if tokenizer else None
     compile_json = compiled_dir / "compile.json"
     if not compile_json.is_file():
         raise NpuforgeError(f"{compiled_dir} has no compile.json; rebuild the compile step")
@@ -134,7 +141,8 @@ def build_bundle(
             if artifact.get("sha256") and sha256_file(src) != artifact["sha256"]:
                 raise NpuforgeError(f"{src} does not match its sha256 in compile.json; recompile")
             sources[name] = src
-        sources[tokenizer.name] = tokenizer
+        if tokenizer is not None:
+            sources[tokenizer.name] = tokenizer
         for export_dir, summary in zip(export_dirs, exports, strict=True):
             embedding = _embedding_file(Path(export_dir), summary["meta"])
             if embedding is not None:
@@ -168,7 +176,11 @@ def build_bundle(
                 "exports": [
                     {"key": e["key"], "graphs": e["graphs"], "export": e["meta"]} for e in exports
                 ],
-                "tokenizer": {"file": tokenizer.name, "sha256": sha256_file(tokenizer)},
+                "tokenizer": (
+                    {"file": tokenizer.name, "sha256": sha256_file(tokenizer)}
+                    if tokenizer is not None
+                    else {"file": None, "reason": NO_TOKENIZER}
+                ),
             },
             "compile": compiled,
             "verification": compiled.get("verification"),

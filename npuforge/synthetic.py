@@ -142,6 +142,21 @@ def write_synthetic_checkpoint(
     return cfg
 
 
+def write_synthetic_source(out, spec: dict, fmt: str):
+    """The registry's ``synthetic`` source: an RWKV file (pth/safetensors), or for format
+    ``hf`` a Llama-family model directory (``npuforge.models.llama.write_synthetic_checkpoint``:
+    config.json + model.safetensors, no tokenizer files)."""
+    if fmt != "hf":
+        return write_synthetic_checkpoint(out, fmt=fmt, **spec)
+    from npuforge.models import llama
+
+    args = {k: v for k, v in spec.items() if k != "version"}
+    try:
+        return llama.write_synthetic_checkpoint(out, **args)
+    except TypeError as err:
+        raise NpuforgeError(f"synthetic llama source: {err}; see config/models.yaml") from None
+
+
 def cached_synthetic_checkpoint(directory, **args):
     """Path of a synthetic checkpoint for ``args`` under ``directory``; made on first use.
 

@@ -153,3 +153,25 @@ class Tokenizer:
 
     def decode_text(self, ids, errors: str = "replace") -> str:
         return self.decode(ids).decode("utf-8", errors=errors)
+
+
+def copy_hf_tokenizer(checkpoint_dir, out) -> str:
+    """Ship a Hugging Face checkpoint's own ``tokenizer.json`` unchanged; return its sha256.
+
+    The registry says ``tokenizer: hf`` for such models; a checkpoint without the file
+    (random-weight test models) must say ``tokenizer: none`` instead of getting an
+    invented vocabulary.
+    """
+    import shutil
+
+    from npuforge.fileio import atomic_path, sha256_file
+
+    src = Path(checkpoint_dir) / "tokenizer.json"
+    if not src.is_file():
+        raise NpuforgeError(
+            f"{checkpoint_dir} has no tokenizer.json; set the model's tokenizer to none "
+            "in the registry, or fetch a snapshot that includes it"
+        )
+    with atomic_path(out) as tmp:
+        shutil.copyfile(src, tmp)
+    return sha256_file(out)

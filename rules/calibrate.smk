@@ -1,6 +1,7 @@
 rule calibrate:
     input:
         export=f"{RESULTS}/export/{{model}}/{{key}}",
+        checkpoint=lambda w: checkpoint_path(w.model),
         texts=calibration_text_files(),
     output:
         directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
@@ -17,4 +18,4 @@ rule calibrate:
         seed=config["calibration"]["seed"],
         text=lambda w: calibration_text(),
     shell:
-        "python workflow_scripts/make_calibration_samples.py --export {input.export} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"
+        "python workflow_scripts/make_calibration_samples.py --export {input.export} --checkpoint {input.checkpoint} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"

@@ -101,10 +101,18 @@ def export_cli_args(model, key):
     ]
     if options["ext_embedding"]:
         args.append("--ext-embedding")
-    if not options["fp16_fixes"]:
+    if options.get("external_data"):
+        args.append("--external-data")
+    if not options.get("fp16_fixes", True):
         args.append("--no-fp16-fixes")
-    if options["last_token_logits"]:
+    if options.get("last_token_logits"):
         args.append("--last-token-logits")
+    if "cache_len" in options:
+        args.append(f"--cache-len {options['cache_len']}")
+    if options.get("sha"):
+        args.append("--sha")
+    if "mask_value" in options:
+        args.append(f"--mask-value={options['mask_value']}")
     return " ".join(args)
 
 
@@ -116,7 +124,13 @@ def export_mem_mb(model):
 
 
 def tokenizer_path(model):
-    return f"{RESULTS}/tokenizer/{MODELS[model]['tokenizer']}/tokenizer.bin"
+    # None: the registry says the checkpoint has no tokenizer (the manifest records it).
+    tokenizer = MODELS[model]["tokenizer"]
+    if tokenizer == "none":
+        return None
+    if tokenizer == "hf":
+        return f"{RESULTS}/tokenizer/hf/{model}/tokenizer.json"
+    return f"{RESULTS}/tokenizer/{tokenizer}/tokenizer.bin"
 
 
 def verify_report(model, key):
@@ -198,12 +212,13 @@ def package_inputs(wildcards):
     return {
         "compiled": compile_dir(model, target, wildcards.precision),
         "exports": exports,
-        # verify_onnx's reference is BlinkDL's rwkv package: RWKV exports only.
         "verify": [
-            verify_report(model, key)
-            for key in PLAN.export_keys(model, target)
-            if MODELS[model]["family"] == "rwkv"
+            verify_report(model, key) for key in PLAN.export_keys(model, target)
         ],
-        "tokenizer": tokenizer_path(model),
+        "tokenizer": tokenizer_path(model) or [],
         "fetch_record": fetch_record(model),
     }
+
+
+def package_tokenizer_arg(wildcards, input):
+    return f"--tokenizer {input.tokenizer}" if input.tokenizer else "--no-tokenizer"

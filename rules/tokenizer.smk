@@ -11,3 +11,20 @@ rule tokenizer:
         mem_mb=1000,
     shell:
         "python workflow_scripts/convert_tokenizer.py --out {output} > {log} 2>&1"
+
+
+# tokenizer: hf ships the checkpoint's own tokenizer.json, per model.
+rule tokenizer_hf:
+    input:
+        checkpoint=lambda w: checkpoint_path(w.model),
+    output:
+        f"{RESULTS}/tokenizer/hf/{{model}}/tokenizer.json",
+    log:
+        f"{RESULTS}/logs/tokenizer/hf/{{model}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=1000,
+    shell:
+        "python workflow_scripts/convert_tokenizer.py --hf-checkpoint {input.checkpoint} --out {output} > {log} 2>&1"

@@ -1,4 +1,5 @@
-"""Convert the RWKV World vocabulary to the compact binary tokenizer (npuforge.tokenizer)."""
+"""Convert the RWKV World vocabulary to the compact binary tokenizer (npuforge.tokenizer),
+or with --hf-checkpoint copy a Hugging Face checkpoint's tokenizer.json."""
 
 import argparse
 import sys
@@ -15,11 +16,17 @@ def main(argv=None):
     parser.add_argument(
         "--vocab", type=Path, help="rwkv_vocab_*.txt (default: rwkv_vocab_v20230424 from rwkv)"
     )
+    parser.add_argument(
+        "--hf-checkpoint", type=Path, help="HF model directory whose tokenizer.json is shipped"
+    )
     args = parser.parse_args(argv)
 
-    from npuforge.tokenizer import convert_tokenizer
+    from npuforge.tokenizer import convert_tokenizer, copy_hf_tokenizer
 
-    convert_tokenizer(args.out, args.vocab)
+    if args.hf_checkpoint:
+        copy_hf_tokenizer(args.hf_checkpoint, args.out)
+    else:
+        convert_tokenizer(args.out, args.vocab)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def main(argv=None):
     parser.add_argument(
         "--external-data", action="store_true", help="weights in chunkN.onnx.data even below 2 GB"
     )
+    parser.add_argument("--cache-len", type=int, help="llama: KV cache slots (the context)")
+    parser.add_argument("--sha", action="store_true", help="llama: apply the MHA->SHA pass")
+    parser.add_argument(
+        "--mask-value", type=float, help="llama: additive mask of hidden cache slots (-64)"
+    )
     args = parser.parse_args(argv)
 
     from npuforge.export import export_checkpoint
@@ -48,6 +53,9 @@ def main(argv=None):
         "wkv_scale": args.wkv_scale,
         "last_token_logits": args.last_token_logits,
         "external_data": True if args.external_data else None,
+        "cache_len": args.cache_len,
+        "sha": args.sha,
+        "mask_value": args.mask_value,
     }
     export_checkpoint(args.checkpoint, args.out_dir, **options)
 

@@ -24,6 +24,9 @@ def main(argv=None):
         action="store_true",
         help="capture at the first call (zero states): for comparison only",
     )
+    parser.add_argument(
+        "--checkpoint", type=Path, help="the exported checkpoint (its tokenizer for llama)"
+    )
     args = parser.parse_args(argv)
 
     from npuforge.calibration import make_calibration_samples
@@ -36,6 +39,7 @@ def main(argv=None):
         seed=args.seed,
         text=args.text,
         zero_state=args.zero_state,
+        checkpoint=args.checkpoint,
     )
 
 

@@ -34,7 +34,13 @@ def main(argv=None):
         default=[],
         help="verify_onnx report JSON (repeatable)",
     )
-    parser.add_argument("--tokenizer", required=True, help="tokenizer file to ship")
+    shipped = parser.add_mutually_exclusive_group(required=True)
+    shipped.add_argument("--tokenizer", help="tokenizer file to ship")
+    shipped.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="the checkpoint has no tokenizer (registry tokenizer: none); the manifest says so",
+    )
     parser.add_argument("--fetch-record", required=True, help="the checkpoint's fetch record JSON")
     parser.add_argument("--out-dir", required=True, help="release directory to write")
     parser.add_argument("--tarball", required=True, help="tar.gz of the release directory")

@@ -79,7 +79,7 @@ def compile_reference(
 def verify_against_reference(checkpoint, export_dir: Path, steps: int) -> dict:
     from npuforge.verify import verify_export
 
-    report = verify_export([export_dir], checkpoint=checkpoint, steps=steps, reference="rwkv")
+    report = verify_export([export_dir], checkpoint=checkpoint, steps=steps, reference="auto")
     if report["nan_inf"]:
         raise NpuforgeError(
             f"the reference graphs gave {report['nan_inf']} NaN/inf logits over {steps} steps; "
