@@ -105,6 +105,8 @@ def _deterministic_reexec():
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
+        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
+        libc.personality.argtypes = [ctypes.c_ulong]
         current = libc.personality(0xFFFFFFFF)
         if current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1:
             env[_PINNED] = "aslr-off"
