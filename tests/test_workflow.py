@@ -233,3 +233,130 @@ def test_missing_toolchain_stops_before_any_job(workflow, tmp_path):
     assert result.returncode != 0
     assert "npuforge: target RK3588: container engine 'docker' is not installed" in output
     assert "Job stats" not in output and not (workflow / "results").exists()
+
+
+# --------------------------------------------------------------------------- llama family
+
+LLAMA = "llama-tiny"
+
+
+def shell_commands(output: str, script: str) -> list[str]:
+    return [line for line in output.splitlines() if f"workflow_scripts/{script}" in line]
+
+
+def export_dir_of(command: str) -> str:
+    return re.search(r"--out-dir (\S+)", command).group(1).rsplit("/", 1)[-1]
+
+
+def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    targets = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+    for target in ("RK3588", "SM8650"):
+        backend = targets[target]["backend"]
+        reason = unavailable_reason(backend, "native", targets[target]["options"])
+        if reason:
+            pytest.skip(f"{backend} toolchain check refuses here: {reason}")
+    result = snakemake(
+        workflow, "--dry-run", "--config", f"model={LLAMA}", "target=onnx,RK3588,SM8650", check=True
+    )
+    output = result.stdout + result.stderr
+    counts = job_counts(output)
+    assert counts["fetch_tree"] == 1 and "fetch" not in counts
+    # onnx (Gather), RK3588 (embedding.bin), SM8650 (embedding.bin + MHA->SHA)
+    assert counts["export"] == 3 and counts["verify_onnx"] == 3
+    # llama-tiny builds fp16 only on RK3588 (its registry entry), fp16 on SM8650 by default
+    assert counts["compile"] == 3 and counts["package"] == 3
+    assert "calibrate" not in counts and "tokenizer" not in counts  # tokenizer: none
+
+    exports = shell_commands(output, "export_onnx.py")
+    assert all("--cache-len 64" in c and "--mask-value=-64.0" in c for c in exports)
+    sha_exports = {export_dir_of(c) for c in exports if " --sha " in c}
+    assert len(sha_exports) == 1
+    compiles = shell_commands(output, "compile_")
+    for command in compiles:
+        target = re.search(r"--target (\S+)", command).group(1)
+        uses_sha = any(f"/{key} " in command for key in sha_exports)
+        assert uses_sha == (target == "SM8650"), command
+    assert len(compiles) == 3
+    packages = shell_commands(output, "package_release.py")
+    assert all("--no-tokenizer" in c for c in packages) and len(packages) == 3
+
+
+def test_llama_model_precisions_narrow_the_target(workflow):
+    counts = dry_run(workflow, "--config", f"model={LLAMA}", "target=RK3588", "precision=all")
+    assert counts["compile"] == 1  # fp16 only, though RK3588 has three precisions
+    result = snakemake(
+        workflow, "--dry-run", "--config", f"model={LLAMA}", "target=RK3588", "precision=w8a8"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"model {LLAMA} is built for RK3588 in fp16 only" in output
+
+
+def check_llama_bundle(bundle: Path, tokenizer_file=None) -> dict:
+    import json
+
+    sums = subprocess.run(
+        ["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, capture_output=True, text=True
+    )
+    assert sums.returncode == 0, sums.stdout + sums.stderr
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["model"]["family"] == "llama"
+    # no tokenizer is invented for a checkpoint without one; the manifest says so
+    assert manifest["inputs"]["tokenizer"]["file"] is None
+    assert "no tokenizer" in manifest["inputs"]["tokenizer"]["reason"]
+    assert not any(name.startswith("tokenizer") for name in manifest["files"])
+    (report,) = manifest["export_verification"]
+    assert report["reference"] == "llama reference implementation (fp32)"
+    assert report["steps"] == 64 and report["nan_inf"] == 0
+    assert report["max_abs_rel"] <= 1e-4 and report["top1_agreement"] == 1.0
+    return manifest
+
+
+def test_llama_onnx_build_verifies_and_bundles(workflow):
+    snakemake(workflow, "--config", f"model={LLAMA}", "target=onnx", check=True)
+    bundle = workflow / "results" / "release" / LLAMA / "onnx" / "fp32"
+    manifest = check_llama_bundle(bundle)
+    figures = manifest["verification"]
+    assert figures["steps"] == 32 and figures["nan_inf"] == 0
+    assert figures["max_abs_rel"] <= 1e-4 and figures["top1_agreement"] == 1.0
+    (export,) = manifest["inputs"]["exports"]
+    assert export["export"]["cache_len"] == 64 and export["export"]["options"]["sha"] is False
+    assert (bundle.parent / "fp32.tar.gz").is_file()
+
+
+def rknn_stamp(tmp_path) -> tuple[Path | None, str]:
+    """An existing rknn toolchain stamp (as tests/test_rknn.py finds one), or why there is none."""
+    from npuforge.fileio import write_json
+
+    if os.environ.get("NPUFORGE_RKNN_STAMP"):
+        return Path(os.environ["NPUFORGE_RKNN_STAMP"]), ""
+    python = os.environ.get("NPUFORGE_RKNN_PYTHON")
+    if python:
+        stamp = tmp_path / "rknn-native.json"
+        write_json(stamp, {"backend": "rknn", "runtime": "native", "python": python,
+                           "versions": {"rknn-toolkit2": "2.5.0"}})  # fmt: skip
+        return stamp, ""
+    default = REPO / "results" / "toolchains" / "rknn-native.json"
+    if default.is_file():
+        return default, ""
+    return None, (
+        "no rknn toolchain: set NPUFORGE_RKNN_STAMP or NPUFORGE_RKNN_PYTHON, or build "
+        "results/toolchains/rknn-native.json (snakemake --config target=RK3588)"
+    )
+
+
+def test_llama_rk3588_fp16_build_verifies_and_bundles(workflow, tmp_path):
+    stamp, reason = rknn_stamp(tmp_path)
+    if stamp is None:
+        pytest.skip(reason)
+    toolchains = workflow / "results" / "toolchains"
+    toolchains.mkdir(parents=True)
+    shutil.copyfile(stamp, toolchains / "rknn-native.json")
+    snakemake(workflow, "--config", f"model={LLAMA}", "target=RK3588", check=True)
+    bundle = workflow / "results" / "release" / LLAMA / "RK3588" / "fp16"
+    manifest = check_llama_bundle(bundle)
+    assert {"chunk0.rknn", "embedding.bin"} <= set(manifest["files"])
+    figures = manifest["verification"]
+    assert figures["nan_inf"] == 0 and figures["cosine"] >= figures["min_cosine"] == 0.9999
