@@ -58,7 +58,14 @@ def test_all_keyword():
     builds = select_builds(
         selection(model="all", target="RK3588", precision="all"), MODELS, TARGETS
     )
-    assert len(builds) == len(MODELS) * 3
+    # every model gets RK3588's three precisions unless its entry narrows them (llama-tiny)
+    expected = sum(
+        len(model.get("precisions", {}).get("RK3588", TARGETS["RK3588"]["precisions"]))
+        for model in MODELS.values()
+    )
+    assert len(builds) == expected
+    assert ("llama-tiny", "RK3588", "fp16") in [(b.model, b.target, b.precision) for b in builds]
+    assert len(MODELS) * 3 - expected == 2
 
 
 @pytest.mark.parametrize(
@@ -194,3 +201,39 @@ def test_parsing_imports_nothing_heavy():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_model_precisions_narrow_a_target():
+    models = {"m": dict(MODELS["rwkv7-tiny"], precisions={"RK3588": ["fp16", "w16a16i_dfp"]})}
+
+    def pick(**kw):
+        builds = select_builds(selection(model="m", **kw), models, TARGETS)
+        return [b.precision for b in builds]
+
+    assert pick(target="RK3588") == ["fp16"]  # the target's defaults among the model's list
+    assert pick(target="RK3588", precision="all") == ["fp16", "w16a16i_dfp"]
+    assert pick(target="RK3588", precision="w16a16i_dfp") == ["w16a16i_dfp"]
+    assert pick(target="RK3576", precision="all") == ["fp16", "w8a8"]  # not narrowed there
+    with pytest.raises(NpuforgeError, match="built for RK3588 in fp16, w16a16i_dfp only"):
+        pick(target="RK3588", precision="w8a8")
+    models["m"]["precisions"] = {"RK3588": ["w16a16i_dfp"]}
+    assert pick(target="RK3588") == ["w16a16i_dfp"]  # no default in the list: the list
+
+
+def test_llama_export_options_carry_cache_and_sha():
+    from npuforge.matrix import LLAMA_MASK_VALUE
+    from npuforge.models import llama
+
+    assert LLAMA_MASK_VALUE == llama.MASK_VALUE
+    model = MODELS["llama-tiny"]
+    (qnn,) = export_variants(model, TARGETS["SM8650"])
+    (rknn,) = export_variants(model, TARGETS["RK3588"])
+    assert qnn["sha"] is True and rknn["sha"] is False
+    assert qnn["cache_len"] == rknn["cache_len"] == model["context_length"]
+    assert "fp16_fixes" not in qnn and "last_token_logits" not in qnn
+    assert export_key(qnn) != export_key(rknn)  # SHA changes the bytes: its own export
+    # RWKV exports keep their option set: the sha choice of a target does not split them
+    assert export_variants(MODELS["rwkv7-tiny"], TARGETS["SM8650"]) == export_variants(
+        MODELS["rwkv7-tiny"],
+        dict(TARGETS["SM8650"], export={**TARGETS["SM8650"]["export"], "sha": False}),
+    )
