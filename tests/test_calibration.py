@@ -152,3 +152,39 @@ def test_cli_writes_with_custom_text(export_dir, tmp_path, capsys):
     assert code == 0, err
     record = json.loads((out / "calibration.json").read_text())
     assert record["text"]["documents"] == ["mine.txt"] and record["samples"] == 2
+
+
+def test_llama_texts_use_the_checkpoint_tokenizer_or_labelled_bytes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from npuforge.calibration import make_calibration_samples, tokenizer_for
+    from npuforge.models import llama
+
+    dims = dict(layers=1, embed=32, heads=4, kv_heads=2, vocab=300, intermediate=48, seed=1)
+    llama.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
+    llama.export_llama(tmp_path / "ckpt", tmp_path / "export", variant="decode", cache_len=16)
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. the end.\n")
+
+    record = make_calibration_samples(
+        tmp_path / "export", tmp_path / "c1", samples=2, steps=8, seed=0, text=text,
+        checkpoint=tmp_path / "ckpt",
+    )  # fmt: skip
+    assert record["text"]["tokenizer"]["kind"] == "bytes"
+    assert "no tokenizer.json" in record["text"]["tokenizer"]["note"]
+    assert record["text"]["tokens"] == len(text.read_bytes())
+    assert 0 <= min(record["tokens"]) and max(record["tokens"]) < 300
+
+    words = {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, "on": 4, "mat.": 5, "end.": 6}
+    hf = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    tokenizer, info = tokenizer_for({"family": "llama"}, tmp_path / "ckpt")
+    assert info["kind"] == "hf" and info["file"] == "tokenizer.json"
+    assert tokenizer.encode("the cat sat on the mat.") == [1, 2, 3, 4, 1, 5]
+    record = make_calibration_samples(
+        tmp_path / "export", tmp_path / "c2", samples=2, steps=8, seed=0, text=text,
+        checkpoint=tmp_path / "ckpt",
+    )  # fmt: skip
+    assert record["text"]["tokenizer"]["kind"] == "hf" and record["text"]["tokens"] == 8
+    assert set(record["tokens"]) <= set(words.values())

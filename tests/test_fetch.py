@@ -274,3 +274,17 @@ def test_hf_snapshot_of_a_model_directory(tmp_path, hub):
     bad, out_bad, _ = fetch_cli(tmp_path / "again", source, "1" * 64, env, name="checkpoint.hf")
     assert bad.returncode == 2 and "sha256 mismatch" in bad.stderr
     assert leftovers(out_bad.parent) == []
+
+
+def test_synthetic_llama_source_writes_a_model_directory(tmp_path):
+    # format hf (an output ending in .hf): the llama generator, a directory without tokenizer
+    source = {"synthetic": {"arch": "qwen2", "layers": 1, "embed": 32, "heads": 4, "kv_heads": 2,
+                            "vocab": 64, "intermediate": 48, "seed": 3}}  # fmt: skip
+    out, record = tmp_path / "a" / "checkpoint.hf", tmp_path / "a" / "checkpoint.hf.json"
+    from npuforge.fetch import fetch
+
+    data = fetch(source, None, out, record)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    again = fetch(source, data["sha256"], tmp_path / "b" / "checkpoint.hf", tmp_path / "b.json")
+    assert again["sha256"] == data["sha256"]

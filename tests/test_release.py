@@ -190,3 +190,24 @@ def test_corrupted_artifact_is_refused(tmp_path):
             **inputs,
         )
     assert not (tmp_path / "r" / "fp32").exists()
+
+
+def test_model_without_tokenizer_ships_none_and_says_so(tmp_path):
+    inputs = make_inputs(tmp_path)
+    inputs["tokenizer"] = None
+    out = tmp_path / "release" / "fp32"
+    manifest = build_bundle(
+        model_id="llama-tiny",
+        model_entry=dict(MODEL, family="llama", tokenizer="none"),
+        target_id="onnx",
+        target_entry=TARGET,
+        precision="fp32",
+        out_dir=out,
+        tarball=tmp_path / "release" / "fp32.tar.gz",
+        **inputs,
+    )
+    assert not (out / "tokenizer.bin").exists()
+    assert manifest["model"]["tokenizer"] == "none"
+    assert manifest["inputs"]["tokenizer"]["file"] is None
+    assert "no tokenizer" in manifest["inputs"]["tokenizer"]["reason"]
+    assert "tokenizer.bin" not in (out / "SHA256SUMS").read_text()

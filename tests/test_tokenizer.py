@@ -87,3 +87,16 @@ def test_bad_files(tmp_path, converted):
     tokenizer = Tokenizer.from_file(converted[0])
     with pytest.raises(NpuforgeError, match="not in the vocabulary"):
         tokenizer.decode([70000])
+
+
+def test_hf_tokenizer_is_copied_or_refused(tmp_path):
+    from npuforge.errors import NpuforgeError
+    from npuforge.tokenizer import copy_hf_tokenizer
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(NpuforgeError, match="no tokenizer.json; set the model's tokenizer to none"):
+        copy_hf_tokenizer(tmp_path / "ckpt", tmp_path / "out" / "tokenizer.json")
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    (tmp_path / "ckpt" / "tokenizer.json").write_text('{"version": "1.0"}')
+    copy_hf_tokenizer(tmp_path / "ckpt", tmp_path / "out" / "tokenizer.json")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
