@@ -1,0 +1,95 @@
+"""End to end through Snakemake: the demo model for one SoC of each vendor that runs here.
+
+    snakemake --cores all --config target=RK3588 toolchain_runtime=podman
+    snakemake --cores all --config target=SM8650
+
+Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
+with the real vendor compiler, verifies on the vendor's simulator and packages a
+release bundle. They skip, with the reason, where the toolchain cannot run.
+"""
+
+import json
+import subprocess
+
+import pytest
+from conftest import snakemake
+
+from npuforge import toolchain
+
+TARGETS = toolchain.REPO_ROOT / "config" / "targets.yaml"
+
+
+def target_options(target_id):
+    import yaml
+
+    return yaml.safe_load(TARGETS.read_text())[target_id]["options"]
+
+
+def bundle_of(workflow, target, precision):
+    return workflow / "results" / "release" / "rwkv7-demo" / target / precision
+
+
+def check_bundle(bundle):
+    sums = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, capture_output=True)
+    assert sums.returncode == 0, sums.stdout.decode() + sums.stderr.decode()
+    assert (bundle.parent / f"{bundle.name}.tar.gz").is_file()
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def sha256s(bundle, suffix):
+    found = {}
+    for line in (bundle / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        if name.endswith(suffix):
+            found[name] = digest
+    return found
+
+
+RKNN_PODMAN = toolchain.unavailable_reason("rknn", "podman", target_options("RK3588"))
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(RKNN_PODMAN is not None, reason=f"rknn in podman: {RKNN_PODMAN}")
+def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
+    select = ("--config", "target=RK3588", "toolchain_runtime=podman")
+    snakemake(workflow, *select, check=True)
+    bundle = bundle_of(workflow, "RK3588", "fp16")
+    manifest = check_bundle(bundle)
+    compiled = manifest["compile"]
+    assert compiled["toolchain"]["runtime"] == "podman"
+    assert compiled["toolchain"]["versions"]["rknn-toolkit2"] == "2.5.0"
+    assert compiled["verification"]["steps"] >= 32
+    assert compiled["verification"]["cosine"] >= 0.9999
+    assert compiled["verification"]["nan_inf"] == 0
+    assert compiled["placement"]["cpu_fallback"] == 0
+    assert compiled["options"]["aslr_disabled"] is True
+    first = sha256s(bundle, ".rknn")
+    assert first, "no .rknn file in the bundle"
+
+    # A second compile in a fresh container gives the same bytes.
+    snakemake(workflow, *select, "--forcerun", "compile", check=True)
+    assert sha256s(bundle, ".rknn") == first
+
+
+QNN_NATIVE = toolchain.unavailable_reason("qnn", "native", target_options("SM8650"))
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(QNN_NATIVE is not None, reason=f"qnn native: {QNN_NATIVE}")
+def test_sm8650_builds_a_verified_htp_context_binary(workflow):
+    snakemake(workflow, "--config", "target=SM8650", check=True)
+    bundle = bundle_of(workflow, "SM8650", "fp16")
+    manifest = check_bundle(bundle)
+    compiled = manifest["compile"]
+    binaries = sha256s(bundle, ".bin")
+    assert binaries and sha256s(bundle, "_ctx.onnx")
+    assert compiled["qairt"]["version"].startswith("2.51")
+    assert compiled["options"]["soc_model"] == 57 and compiled["options"]["htp_arch"] == 75
+    assert compiled["verification"]["steps"] >= 32
+    assert compiled["verification"]["cosine"] >= 0.9999
+    assert compiled["verification"]["nan_inf"] == 0
+    # The context binary is QNN's own format, naming the QAIRT build inside.
+    data = (bundle / sorted(binaries)[0]).read_bytes()
+    assert b"2.51" in data
