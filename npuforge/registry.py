@@ -103,8 +103,14 @@ def check_registries(models: dict, targets: dict) -> None:
                     f"from version={model.get('version')}; make them agree"
                 )
         snapshot = bool(model["source"].get("hf", {}).get("snapshot"))
-        # A path or a synthetic source may be either a file or a directory.
-        fixed_kind = "path" not in model["source"] and not synthetic
+        # A path may be a file or a directory; a synthetic llama is a model directory.
+        synthetic_llama = bool(synthetic) and model["family"] == "llama"
+        if synthetic_llama and model["format"] != "hf":
+            raise NpuforgeError(
+                f"model {model_id}: a synthetic llama checkpoint is a model directory; "
+                "set format: hf"
+            )
+        fixed_kind = "path" not in model["source"] and not synthetic_llama
         if fixed_kind and snapshot != (model["format"] == "hf"):
             raise NpuforgeError(
                 f"model {model_id}: format {model['format']} needs "

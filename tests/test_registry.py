@@ -166,3 +166,16 @@ def test_directory_format_goes_with_a_snapshot():
     entry["source"] = {"hf": {"repo": "org/llama", "snapshot": True, "revision": "e" * 40}}
     valid("models", {"llama": entry})
     check_registries({"llama": entry}, targets)
+
+
+def test_synthetic_llama_is_a_model_directory():
+    models, targets = shipped()
+    check_registries({"llama-tiny": models["llama-tiny"]}, targets)
+    bad = copy.deepcopy(models["llama-tiny"])
+    bad["format"] = "safetensors"
+    with pytest.raises(NpuforgeError, match="synthetic llama checkpoint is a model directory"):
+        check_registries({"x": bad}, targets)
+    bad = copy.deepcopy(models["llama-tiny"])
+    bad["precisions"] = {"RK3588": ["fp32"]}
+    with pytest.raises(NpuforgeError, match="precision 'fp32' for RK3588 is not among"):
+        check_registries({"x": bad}, targets)

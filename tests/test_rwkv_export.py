@@ -211,6 +211,10 @@ def test_llama_directory_dispatch(tmp_path, monkeypatch):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "npuforge.models.llama", None)  # import fails
+    # ...also when an earlier test imported it (the package then holds it as an attribute)
+    import npuforge.models
+
+    monkeypatch.delattr(npuforge.models, "llama", raising=False)
     with pytest.raises(NpuforgeError, match="npuforge.models.llama"):
         export_checkpoint(tmp_path / "hf", tmp_path / "out", variant="decode", chunks=1)
     assert not (tmp_path / "out").exists()
