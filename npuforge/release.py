@@ -35,7 +35,17 @@ NO_TOKENIZER = (
     "so the bundle ships none"
 )
 # Main-environment packages whose versions can change the bytes of an artifact.
-RECORDED_PACKAGES = ("numpy", "onnx", "onnxruntime", "torch", "rwkv", "huggingface_hub")
+RECORDED_PACKAGES = (
+    "numpy",
+    "onnx",
+    "onnxruntime",
+    "torch",
+    "rwkv",
+    "huggingface_hub",
+    "safetensors",
+    "transformers",  # the llama family's reference
+    "tokenizers",  # llama calibration texts
+)
 REPO_ROOT = Path(npuforge.__file__).resolve().parents[1]
 
 
