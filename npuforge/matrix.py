@@ -214,8 +214,27 @@ def export_key(options: dict) -> str:
     return f"{options['variant']}-{options['dtype']}-c{options['chunks']}-{digest}"
 
 
+def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
+    """KV-cache graphs hold ``context_length`` tokens: every verification run must fit."""
+    for build in builds:
+        model = models[build.model]
+        if model["family"] != "llama":
+            continue
+        runs = {"verify.tokens": (config.get("verify") or {}).get("tokens", 0)}
+        runs[f"{build.target} verify_steps"] = targets[build.target]["options"].get(
+            "verify_steps", 0
+        )
+        for name, steps in runs.items():
+            if int(steps) > int(model["context_length"]):
+                raise NpuforgeError(
+                    f"model {build.model}: {name} ({steps}) exceeds its context_length "
+                    f"({model['context_length']}), the graphs' KV cache; lower it"
+                )
+
+
 def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     builds = select_builds(config, models, targets)
+    check_cache_fits(config, models, targets, builds)
     plan = Plan(models=models, targets=targets, builds=builds)
     for build in builds:
         pair = (build.model, build.target)

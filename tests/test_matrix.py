@@ -237,3 +237,13 @@ def test_llama_export_options_carry_cache_and_sha():
         MODELS["rwkv7-tiny"],
         dict(TARGETS["SM8650"], export={**TARGETS["SM8650"]["export"], "sha": False}),
     )
+
+
+def test_llama_verification_runs_must_fit_the_cache():
+    short = {"llama-tiny": dict(MODELS["llama-tiny"], context_length=48)}
+    with pytest.raises(NpuforgeError, match=r"verify.tokens \(64\) exceeds its context_length"):
+        make_plan(selection(model="llama-tiny", target="onnx"), short, TARGETS)
+    plan = make_plan(
+        selection(model="llama-tiny", target="onnx", verify={"tokens": 48}), short, TARGETS
+    )
+    assert [b.precision for b in plan.builds] == ["fp32"]
