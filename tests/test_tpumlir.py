@@ -28,6 +28,7 @@ import glob
 import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -362,6 +363,7 @@ def test_job_runs_steps_and_records_similarity(tmp_path):
     result = job.run(spec)
     assert result["steps"][0]["passed"] is True
     assert result["steps"][0]["comparisons"][0]["tensors"]["logits"]["cosine"] == 0.999871
+    assert result["steps"][0]["seconds"] >= 0
     assert json.loads((tmp_path / "r.json").read_text()) == result
 
 
@@ -408,6 +410,42 @@ def test_tool_environment_preloads_the_system_libc():
     preload = env.get("LD_PRELOAD", "").split()
     assert any(os.path.basename(p).startswith("libc") for p in preload)
     assert all(os.path.isfile(p) for p in preload)
+
+
+def _bmodel_bytes(*times: bytes) -> bytes:
+    """The layout model_tool 1.30.2 writes: 64-byte header (magic, header size,
+    flatbuffer size), then the flatbuffer holding the ctime() string (length 25)."""
+    body = b"\x00" * 8 + b"".join(b"\x19\x00\x00\x00" + t + b"\n\x00" for t in times)
+    body += b"\x00" * 6
+    header = struct.pack("<III", 0xFF55AAEE, 64, len(body)).ljust(64, b"\x00")
+    return header + body + b"weights, also 'Mon Jan  5 10:00:00 2026\n' outside the flatbuffer"
+
+
+def test_pin_build_time_makes_builds_identical(tmp_path, monkeypatch):
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    first, second = tmp_path / "a.bmodel", tmp_path / "b.bmodel"
+    first.write_bytes(_bmodel_bytes(b"Sun Nov 22 04:13:18 2026"))
+    second.write_bytes(_bmodel_bytes(b"Sun Nov 22 04:17:29 2026"))
+    size = first.stat().st_size
+    assert tpumlir.pin_build_time(first) == "Thu Jan  1 00:00:00 1970"
+    assert tpumlir.pin_build_time(second) == "Thu Jan  1 00:00:00 1970"
+    assert first.read_bytes() == second.read_bytes()
+    assert first.stat().st_size == size
+    assert b"Mon Jan  5 10:00:00 2026" in first.read_bytes()  # the payload is untouched
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    assert tpumlir.pin_build_time(first) == "Tue Nov 14 22:13:20 2023"
+    assert b"\x19\x00\x00\x00Tue Nov 14 22:13:20 2023\n" in first.read_bytes()
+
+
+def test_pin_build_time_refuses_what_it_does_not_recognise(tmp_path):
+    path = tmp_path / "x.bmodel"
+    path.write_bytes(b"\x00" * 128)
+    with pytest.raises(NpuforgeError, match="not a bmodel"):
+        tpumlir.pin_build_time(path)
+    for times in ([], [b"Sun Nov 22 04:13:18 2026"] * 2):
+        path.write_bytes(_bmodel_bytes(*times))
+        with pytest.raises(NpuforgeError, match=f"found {len(times)}"):
+            tpumlir.pin_build_time(path)
 
 
 def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
@@ -588,7 +626,7 @@ def test_flags_exist_in_the_real_tools(tmp_path):
 
 
 @pytest.mark.toolchain
-def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path):
+def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path, monkeypatch):
     python = _toolchain_python()
     if python is None:
         pytest.skip("no TPU-MLIR environment (tpu_mlir on CPython 3.10) on this machine")
@@ -598,6 +636,7 @@ def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path):
             f"{python} has tpu_mlir but no torch, which TPU-MLIR's ONNX front end imports; "
             f"install torch=={tpumlir.TORCH_PIN} (see envs/tpumlir/requirements.lock)"
         )
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
     stamp = tmp_path / "stamp.json"
     stamp.write_text(
         json.dumps(
@@ -619,6 +658,14 @@ def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path):
     assert record["toolchain"]["versions"]["tpu_mlir"]
     assert record["verification"]["passed"] is True
     assert record["verification"]["cosine"] >= 0.99
+    # Every TPU-MLIR check ran and printed figures: ONNX vs top, top vs tpu, tpu vs bmodel.
+    similarity = record["verification"]["similarity"]
+    for net in ("decode", "prefill"):
+        assert len(similarity[f"{net}:model_transform"]) == 1
+        assert len(similarity[f"{net}:model_deploy"]) == 2
+    # The build time is pinned, so the bytes depend on the graphs only.
+    assert record["artifacts"][0]["build_time"] == "Thu Jan  1 00:00:00 1970"
+    assert b"Thu Jan  1 00:00:00 1970\n" in bmodel.read_bytes()
 
 
 # A top MLIR built with TPU-MLIR's own TpuLang API: its ONNX front end needs torch,

@@ -20,8 +20,11 @@ import functools
 import glob
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
+import time
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
@@ -563,6 +566,42 @@ def build_spec(
     }
 
 
+# The bmodel's build time: a flatbuffers string (uint32 length 25) holding ctime()'s
+# "Www Mmm dd hh:mm:ss yyyy\n", written by model_tool --combine. It is the only
+# thing that differs between two builds of the same graphs.
+_BMODEL_MAGIC = 0xFF55AAEE
+_BUILD_TIME = re.compile(
+    rb"\x19\x00\x00\x00[A-Z][a-z]{2} [A-Z][a-z]{2} [ 0-9][0-9] "
+    rb"[0-9]{2}:[0-9]{2}:[0-9]{2} [0-9]{4}\n\x00"
+)
+
+
+def pin_build_time(bmodel, epoch=None) -> str:
+    """Set the bmodel's build-time string to ``epoch`` (default $SOURCE_DATE_EPOCH or 0).
+
+    Same length, same flatbuffer layout: only those 24 characters change, so two
+    builds of the same graphs give identical bytes. Returns the time written.
+    """
+    if epoch is None:
+        epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
+    stamp = time.asctime(time.gmtime(epoch)).encode()
+    data = bytearray(Path(bmodel).read_bytes())
+    magic, header_size, flatbuffer_size = struct.unpack_from("<III", data)
+    if magic != _BMODEL_MAGIC:
+        raise NpuforgeError(f"{bmodel} is not a bmodel (magic {magic:#x})")
+    region = bytes(data[header_size : header_size + flatbuffer_size])
+    found = list(_BUILD_TIME.finditer(region))
+    if len(found) != 1:
+        raise NpuforgeError(
+            f"{bmodel}: expected one build-time string in the bmodel header, found "
+            f"{len(found)}: this TPU-MLIR writes bmodels differently, check pin_build_time"
+        )
+    start = header_size + found[0].start() + 4
+    data[start : start + len(stamp)] = stamp
+    Path(bmodel).write_bytes(bytes(data))
+    return stamp.decode()
+
+
 def compile_record(spec, result, stamp, target_options) -> dict:
     """compile.json (docs/interfaces.md) from the spec and the job's result."""
     from npuforge.fileio import sha256_file
@@ -679,12 +718,14 @@ def compile_bmodel(
             _echo_logs(tmp / "logs" / "toolchain.log", work / "logs")
             raise
         result = read_json(spec["result"])
+        pinned = pin_build_time(spec["bmodel"])
         for state in spec["state_files"]:
             shutil.copyfile(state, tmp / Path(state).name)
         # Keep the tools' logs and similarity figures; drop MLIR files and per-net bmodels.
         shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
         shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
         record = compile_record(spec, result, stamp, target_options)
+        record["artifacts"][0]["build_time"] = pinned
         shutil.rmtree(work)
         write_json(tmp / "compile.json", record)
     return record

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -140,9 +141,11 @@ def run(spec: dict) -> dict:
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
             log.write("$ " + " ".join(step["argv"]) + "\n")
             log.flush()
+            started = time.monotonic()
             proc = subprocess.run(
                 step["argv"], cwd=step["cwd"], env=env, stdout=log, stderr=subprocess.STDOUT
             )
+            seconds = round(time.monotonic() - started, 1)
             log.seek(0)
             text = log.read()
         comparisons = parse_comparisons(text)
@@ -155,6 +158,7 @@ def run(spec: dict) -> dict:
                 "stage": step["stage"],
                 "returncode": proc.returncode,
                 "passed": passed,
+                "seconds": seconds,
                 "comparisons": comparisons,
                 "log": str(log_path),
             }
