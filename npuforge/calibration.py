@@ -10,7 +10,11 @@ every graph chunk captured at sampled steps of real runs of the fp32 export
 Sample ``j``: a start offset drawn (seeded) from the tokenized text, a run of
 ``1 + capture_step_j`` decode calls from zero state, and the feeds of every
 chunk at the last call. ``capture_step_j`` is drawn in ``[steps // 4, steps)``,
-so the states have seen at least a quarter of the run. ``zero_state=True``
+so the states have seen at least a quarter of the run. Graphs with host-fed
+position inputs (roles beyond tokens/embedding/hidden/state, e.g. a KV cache's
+mask and RoPE rows) draw it in ``[0, steps)``: their activations depend on the
+absolute position, and the first positions (attention over one or two slots)
+reach ranges later ones never do. ``zero_state=True``
 captures at the first call instead (all states zero): the weak calibration
 that shows why real runs matter.
 
@@ -175,9 +179,21 @@ def heldout_tokens(count: int, vocab_size: int, text=None, tokenizer=None):
     return np.resize(ids, int(count)).astype(np.int64)
 
 
-def plan_samples(doc_tokens, samples: int, steps: int, seed: int, zero_state: bool) -> list:
-    """Seeded ``[(document, start, capture_step)]`` for each sample."""
+# Input roles every runner feeds the same way; any other role is position-dependent.
+RUNNER_ROLES = ("tokens", "embedding", "hidden", "state")
+
+
+def plan_samples(
+    doc_tokens, samples: int, steps: int, seed: int, zero_state: bool, first_step=None
+) -> list:
+    """Seeded ``[(document, start, capture_step)]`` for each sample.
+
+    ``capture_step`` is drawn in ``[first_step, steps)``; ``first_step`` defaults
+    to ``steps // 4``.
+    """
     import numpy as np
+
+    first_step = steps // 4 if first_step is None else int(first_step)
 
     rng = np.random.default_rng(seed)
     usable = [i for i, t in enumerate(doc_tokens) if len(t) >= 1]
@@ -186,7 +202,7 @@ def plan_samples(doc_tokens, samples: int, steps: int, seed: int, zero_state: bo
     plan = []
     for _ in range(samples):
         doc = int(usable[rng.integers(len(usable))])
-        capture = 0 if zero_state else int(rng.integers(steps // 4, steps))
+        capture = 0 if zero_state else int(rng.integers(first_step, steps))
         length = len(doc_tokens[doc])
         start = int(rng.integers(max(1, length - capture)))
         plan.append((doc, start, capture))
@@ -259,7 +275,11 @@ def make_calibration_samples(
     documents = read_documents(text)
     tokenizer, tokenizer_info = tokenizer_for(meta, checkpoint)
     doc_tokens = tokenize_documents(documents, meta["vocab_size"], tokenizer)
-    plan = plan_samples(doc_tokens, samples, steps, seed, zero_state)
+    positional = any(
+        spec["role"] not in RUNNER_ROLES for graph in meta["graphs"] for spec in graph["inputs"]
+    )
+    first_step = 0 if positional else None
+    plan = plan_samples(doc_tokens, samples, steps, seed, zero_state, first_step)
 
     graphs = meta["graphs"]
     captured = []

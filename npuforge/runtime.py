@@ -8,7 +8,8 @@ input (docs/interfaces.md):
 * ``hidden``: an input ``<base>_in`` takes the previous chunk's output ``<base>_out``
   (``hidden_in``/``hidden_out``; RWKV-7 also passes ``v_first``);
 * ``state``: zeros after ``reset``; afterwards the output the input names;
-* any other role: ``npuforge.models.<family>.extra_inputs(meta, input_spec, position)``.
+* any other role: ``npuforge.models.<family>.extra_inputs(meta, input_spec, position)``
+  (``host_feeds`` builds the tokens, embedding and family inputs of one call).
 
 Sessions come from ``session_factory(onnx_path)`` (default: onnxruntime on the
 CPU), so a backend can substitute its own (QNN EP, a simulator). The ``capture``
@@ -35,6 +36,45 @@ def onnxruntime_session(onnx_path, threads: int = 1):
     # internally and would hide overflows an NPU running the plain graph would hit.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def host_feeds(meta: dict, graph: dict, tokens, position: int, embedding=None) -> dict:
+    """The inputs of one graph call that come from the host rather than another graph.
+
+    ``tokens`` (int ``[B, T]``) feed the ``tokens`` role, rows of ``embedding`` (the
+    export's ``embedding.bin`` table) the ``embedding`` role, and every other role but
+    ``state``/``hidden`` comes from ``npuforge.models.<family>.extra_inputs`` for a
+    call whose first token sits at ``position``. Backends that run graphs elsewhere
+    (a vendor simulator) precompute their feeds with this, so every runner feeds the
+    same values.
+    """
+    import numpy as np
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    feeds = {}
+    for spec in graph["inputs"]:
+        role, name = spec["role"], spec["name"]
+        if role in ("state", "hidden"):
+            continue
+        if role == "tokens":
+            feeds[name] = tokens
+        elif role == "embedding":
+            if embedding is None:
+                raise NpuforgeError(
+                    f"input '{name}' takes embedding rows but the export has no embedding.bin; "
+                    "re-export with --ext-embedding"
+                )
+            feeds[name] = np.asarray(embedding[tokens], dtype=spec["dtype"])
+        else:
+            family = importlib.import_module(f"npuforge.models.{meta['family']}")
+            if not hasattr(family, "extra_inputs"):
+                raise NpuforgeError(
+                    f"input '{name}' has role '{role}', which the {meta['family']} family "
+                    "does not build; re-export the graphs with this npuforge"
+                )
+            value = family.extra_inputs(meta, spec, position)
+            feeds[name] = np.asarray(value, dtype=spec["dtype"])
+    return feeds
 
 
 class GraphChain:
@@ -99,20 +139,13 @@ class GraphChain:
         carried = {}
         logits = None
         for index, (graph, session) in enumerate(zip(self.graphs, self.sessions, strict=True)):
-            feeds = {}
+            feeds = host_feeds(self.meta, graph, tokens, self.position, self.embedding)
             for spec in graph["inputs"]:
                 role, name = spec["role"], spec["name"]
-                if role == "tokens":
-                    feeds[name] = tokens
-                elif role == "embedding":
-                    feeds[name] = np.asarray(self.embedding[tokens], dtype=spec["dtype"])
-                elif role == "hidden":
+                if role == "hidden":
                     feeds[name] = carried[name[: -len("_in")] + "_out"]
                 elif role == "state":
                     feeds[name] = self.state[name]
-                else:
-                    value = self.family_module().extra_inputs(self.meta, spec, self.position)
-                    feeds[name] = np.asarray(value, dtype=spec["dtype"])
             if self.capture is not None:
                 self.capture(index, feeds)
             names = [o["name"] for o in graph["outputs"]]

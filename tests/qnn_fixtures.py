@@ -152,7 +152,7 @@ def make_export(out_dir, chunks: int = 2, variant: str = "decode", tokens: int =
         "embed_dim": EMBED,
         "n_layers": chunks,
         "options": {"ext_embedding": True},
-        "embedding": "embedding.bin",
+        "embedding": {"file": "embedding.bin", "dtype": "float32", "rows": VOCAB, "cols": EMBED},
         "graphs": graphs,
     }
     (out_dir / "export.json").write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -139,6 +139,17 @@ def test_spec_roles_and_ctx_names(tmp_path):
     )
     decode, prefill = qnn.split_exports([prefill_dir, decode_dir])
     assert decode["variant"] == "decode" and prefill["variant"] == "prefill"
+    tokens = list(range(32))
+    calls = qnn.write_verification_feeds(decode, prefill, tokens, tmp_path)
+    # One 4-token prefill call, then decode calls up to 32 tokens.
+    assert [(c["variant"], c["position"]) for c in calls] == [("prefill", 0)] + [
+        ("decode", p) for p in range(4, 32)
+    ]
+    table = np.fromfile(decode_dir / "embedding.bin", dtype="<f4", offset=32).reshape(-1, 64)
+    with np.load(calls[0]["feeds"]) as first, np.load(calls[1]["feeds"]) as second:
+        assert sorted(first) == ["chunk0/embedding"]
+        np.testing.assert_array_equal(first["chunk0/embedding"], table[None, 0:4])
+        np.testing.assert_array_equal(second["chunk0/embedding"], table[None, 4:5])
     spec = qnn.build_spec(
         decode,
         prefill,
@@ -148,7 +159,7 @@ def test_spec_roles_and_ctx_names(tmp_path):
         tmp_path / "o",
         tmp_path / "w",
         32,
-        tmp_path / "feeds.npz",
+        calls,
     )
     assert spec["soc_model"] == 57 and spec["htp_arch"] == 75
     files = [[g["ctx_file"] for g in chunk["graphs"]] for chunk in spec["chunks"]]
@@ -157,7 +168,15 @@ def test_spec_roles_and_ctx_names(tmp_path):
         ["chunk1_ctx.onnx", "chunk1_prefill_ctx.onnx"],
     ]
     assert spec["chunks"][1]["keep_16bit_tensors"] == ["state_1_wkv", "state_1_wkv_out"]
-    assert spec["verify"]["steps"] == 32 and len(spec["verify"]["chain"]) == 2
+    assert spec["verify"]["steps"] == 32 and spec["verify"]["calls"] == calls
+    chains = spec["verify"]["chains"]
+    assert sorted(chains) == ["decode", "prefill"]
+    assert [c["ctx_file"] for c in chains["prefill"]] == [
+        "chunk0_prefill_ctx.onnx",
+        "chunk1_prefill_ctx.onnx",
+    ]
+    with pytest.raises(NpuforgeError, match="raise verify_steps"):
+        qnn.verification_schedule(decode, prefill, 4)
     with pytest.raises(NpuforgeError, match="prefill calibration"):
         qnn.build_spec(
             decode,
@@ -168,7 +187,7 @@ def test_spec_roles_and_ctx_names(tmp_path):
             tmp_path / "o",
             tmp_path / "w",
             0,
-            tmp_path / "f",
+            [],
         )
     with pytest.raises(NpuforgeError, match="no decode export"):
         qnn.split_exports([prefill_dir])

@@ -262,24 +262,88 @@ def verification_tokens(vocab_size: int, steps: int, calibration_dir=None) -> li
     return [int(t) for t in heldout_tokens(steps, vocab_size)]
 
 
-def verification_feeds(decode: dict, tokens: list[int]) -> dict:
-    """Per-step arrays for chunk 0's external inputs (tokens or embedding rows)."""
+def verification_schedule(decode: dict, prefill: dict | None, steps: int) -> list[tuple]:
+    """The calls of the recurrent check as (variant, first position, token count).
+
+    With a prefill export one prefill call starts the run and decode calls take it
+    to ``steps`` tokens; either way the run covers positions 0..steps-1, so a
+    check that fits the KV cache by its step count fits it here too.
+    """
+    if not prefill:
+        return [("decode", position, 1) for position in range(steps)]
+    tokens = int(prefill["tokens_per_call"])
+    if steps <= tokens:
+        raise NpuforgeError(
+            f"verify_steps {steps} leaves no decode step after a {tokens}-token prefill; "
+            f"raise verify_steps above {tokens}"
+        )
+    return [("prefill", 0, tokens)] + [("decode", p, 1) for p in range(tokens, steps)]
+
+
+def write_verification_feeds(decode, prefill, tokens: list[int], work_dir) -> list[dict]:
+    """One ``.npz`` per call with every host-fed input of every chunk (``chunk{i}/{name}``).
+
+    The values come from ``npuforge.runtime.host_feeds``, the runner every other
+    stage uses, so the simulator sees the same tokens, embedding rows and family
+    inputs (a KV cache's mask, RoPE rows, write slots) as onnxruntime would; the job
+    only feeds them by name and carries recurrent outputs back itself.
+    """
     import numpy as np
 
-    feeds = {}
-    for item in decode["graphs"][0]["inputs"]:
-        shape = list(item["shape"])
-        if item["role"] == "tokens":
-            feeds[item["name"]] = np.array(tokens, dtype=np.int64).reshape([len(tokens), *shape])
-        elif item["role"] == "embedding":
-            rows = read_embedding_rows(_embedding_path(decode), tokens)
-            feeds[item["name"]] = rows.astype(item["dtype"]).reshape([len(tokens), *shape])
-        elif item["role"] not in ("state", "hidden"):
-            raise NpuforgeError(
-                f"chunk 0 input '{item['name']}' has role '{item['role']}', which the QNN "
-                "verification cannot feed yet; verify with a tokens/embedding export"
-            )
-    return feeds
+    from npuforge.export import read_embedding_bin
+    from npuforge.runtime import host_feeds
+
+    exports = {"decode": decode, "prefill": prefill}
+    tables = {}
+    calls = []
+    ids = np.asarray(tokens, dtype=np.int64)
+    for number, (variant, position, count) in enumerate(
+        verification_schedule(decode, prefill, len(tokens))
+    ):
+        export = exports[variant]
+        if variant not in tables:
+            wanted = any(i["role"] == "embedding" for g in export["graphs"] for i in g["inputs"])
+            tables[variant] = read_embedding_bin(_embedding_path(export)) if wanted else None
+        call_ids = ids[position : position + count].reshape(1, count)
+        batch = int(export.get("batch", 1))
+        call_ids = np.repeat(call_ids, batch, axis=0)
+        arrays = {}
+        for index, graph in enumerate(export["graphs"]):
+            feeds = host_feeds(export, graph, call_ids, position, tables[variant])
+            arrays.update({f"chunk{index}/{name}": value for name, value in feeds.items()})
+        path = Path(work_dir) / f"verify_call{number:04d}.npz"
+        np.savez(path, **arrays)
+        calls.append({"variant": variant, "position": position, "feeds": str(path.resolve())})
+    return calls
+
+
+def runner_logits(decode: dict, prefill: dict | None, tokens: list[int]):
+    """The gate's reference: ``npuforge.runtime.GraphChain`` (onnxruntime CPU) on the fp32
+    source graphs over the same calls, as ``[tokens, ...]`` rows like the job's outputs.
+
+    Computed here, not from the job's feeds, so inputs the job fed wrongly (a mask,
+    RoPE rows, a cache slot) fail the check instead of agreeing with themselves.
+    """
+    import numpy as np
+
+    from npuforge.runtime import GraphChain
+
+    chains = {"decode": GraphChain(decode["dir"])}
+    if prefill:
+        chains["prefill"] = GraphChain(prefill["dir"])
+    ids = np.asarray(tokens, dtype=np.int64)
+    rows, state, previous = [], None, None
+    for variant, position, count in verification_schedule(decode, prefill, len(tokens)):
+        chain = chains[variant]
+        if chain is not previous and previous is not None:
+            # Recurrent state and position continue from the other variant's last call.
+            chain.state = {k: state[k].astype(v.dtype) for k, v in chain.state.items()}
+            chain.position = previous.position
+        call_ids = np.repeat(ids[position : position + count].reshape(1, count), chain.batch, 0)
+        logits = chain.step(call_ids)
+        rows.append(np.moveaxis(logits, 1, 0).reshape(logits.shape[1], -1))
+        state, previous = chain.state, chain
+    return np.concatenate(rows)
 
 
 # --------------------------------------------------------------------------- spec + result
@@ -326,7 +390,7 @@ def build_spec(
     out_dir,
     work_dir,
     verify_steps: int,
-    feeds_path,
+    calls,
 ) -> dict:
     if prefill and precision in QUANTIZED:
         raise NpuforgeError(
@@ -370,19 +434,24 @@ def build_spec(
         "chunks": chunks,
     }
     if verify_steps > 0:
+        exports = {"decode": decode, "prefill": prefill}
         spec["verify"] = {
             "steps": verify_steps,
-            "feeds": str(Path(feeds_path).resolve()),
+            # Per call: which graph variant runs and the file holding its host-fed inputs.
+            "calls": list(calls),
             "outputs": str((Path(work_dir) / "verify_outputs.npz").resolve()),
-            "chain": [
-                {
-                    "source": str(decode["dir"] / graph["file"]),
-                    "ctx_file": ctx_file(index, "decode"),
-                    "inputs": graph["inputs"],
-                    "outputs": graph["outputs"],
-                }
-                for index, graph in enumerate(decode["graphs"])
-            ],
+            "chains": {
+                variant: [
+                    {
+                        "source": str(exports[variant]["dir"] / graph["file"]),
+                        "ctx_file": ctx_file(index, variant),
+                        "inputs": graph["inputs"],
+                        "outputs": graph["outputs"],
+                    }
+                    for index, graph in enumerate(exports[variant]["graphs"])
+                ]
+                for variant in sorted({call["variant"] for call in calls})
+            },
         }
     return spec
 
@@ -450,7 +519,6 @@ def compile_qnn(
     log_path=None,
 ) -> dict:
     """Compile every chunk for one SoC and precision; write binaries + compile.json into out_dir."""
-    import numpy as np
 
     target_options = dict(target_options or {})
     check_target(target_id, target_options, precision)
@@ -484,8 +552,8 @@ def compile_qnn(
         with atomic_path(out_dir) as staging:
             staging.mkdir()
             tokens = verification_tokens(int(decode["vocab_size"]), verify_steps, calibration_dir)
-            feeds_path = work_dir / "verify_feeds.npz"
-            np.savez(feeds_path, **verification_feeds(decode, tokens))
+            calls = write_verification_feeds(decode, prefill, tokens, work_dir)
+            reference = runner_logits(decode, prefill, tokens) if tokens else None
             spec = build_spec(
                 decode,
                 prefill,
@@ -495,7 +563,7 @@ def compile_qnn(
                 staging,
                 work_dir,
                 verify_steps,
-                feeds_path,
+                calls,
             )
             spec_path = work_dir / "spec.json"
             write_json(spec_path, spec)
@@ -515,7 +583,7 @@ def compile_qnn(
                 spec,
                 result,
                 staging,
-                work_dir,
+                reference,
             )
             write_json(staging / "compile.json", manifest)
     finally:
@@ -524,7 +592,16 @@ def compile_qnn(
 
 
 def _manifest(
-    target_id, target_options, precision, decode, prefill, stamp, spec, result, staging, work_dir
+    target_id,
+    target_options,
+    precision,
+    decode,
+    prefill,
+    stamp,
+    spec,
+    result,
+    staging,
+    reference,
 ) -> dict:
     import numpy as np
 
@@ -579,16 +656,27 @@ def _manifest(
             raise NpuforgeError(
                 "the simulator run produced no logits to compare; check the export's output roles"
             )
-        figures = verification_figures(
-            outputs[f"reference/{logits[0]}"], outputs[f"compiled/{logits[0]}"]
-        )
+        compiled = outputs[f"compiled/{logits[0]}"]
+        if compiled.shape != reference.shape:
+            raise NpuforgeError(
+                f"the simulator returned logits of shape {list(compiled.shape)}, npuforge's "
+                f"runner {list(reference.shape)}: the spec and the job disagree; rerun with one "
+                "npuforge checkout"
+            )
+        figures = verification_figures(reference, compiled)
+        # The job's own onnxruntime CPU run on the same feeds: tells a compiler error
+        # (this is ~0) from a feeding error (this is large too).
+        job_cpu = verification_figures(reference, outputs[f"reference/{logits[0]}"])
         floor = float(target_options.get("min_cosine", MIN_COSINE[precision]))
         seconds = result["verification"]["simulator_seconds"]
         print(f"simulator verification: {seconds} s", file=sys.stderr)
         verification = {
             **figures,
-            "reference": "onnxruntime CPU on the fp32 source graphs",
+            "reference": "onnxruntime CPU on the fp32 source graphs (npuforge.runtime)",
             "runner": "QNN HTP x86 simulator (onnxruntime-qnn)",
+            "toolchain_cpu_max_abs_rel": job_cpu["max_abs_rel"],
+            # Graph calls per variant: a prefill call covers several of the steps.
+            "calls": result["verification"].get("calls"),
             "min_cosine": floor,
             "passed": figures["nan_inf"] == 0 and figures["cosine"] >= floor,
         }

@@ -14,8 +14,9 @@ Per graph chunk it
      writes ``<name>_ctx.onnx`` + ``<name>_ctx_qnn.bin``; a prefill graph of the
      same chunk joins the decode graph's context (ep.share_ep_contexts);
   3. optionally runs the produced ``_ctx.onnx`` chain on the x86 HTP simulator
-     next to onnxruntime CPU on the fp32 source graphs, step by step, and saves
-     both outputs for the caller to compare.
+     next to onnxruntime CPU on the fp32 source graphs, call by call (a prefill
+     call, then decode calls, as the spec lists them with their host-fed inputs
+     in ``.npz`` files), and saves both outputs for the caller to compare.
 Finally it writes ``result.json`` into the spec's work directory.
 """
 
@@ -311,22 +312,27 @@ def quantize_graph(
 # --------------------------------------------------------------------------- verification
 
 
-def run_chain(sessions: list, chain: list, feeds: dict, steps: int) -> dict:
-    """Run a chunked recurrent graph chain for ``steps`` calls.
+def run_calls(sessions: dict, chains: dict, calls: list) -> dict:
+    """Run a chunked recurrent graph chain call by call, as the spec's ``calls`` list them.
 
-    ``chain[i]`` lists chunk i's inputs ({name, role, output?, shape, dtype});
-    roles: state (fed from the named output of the previous call, zeros first),
-    hidden (the previous chunk's output of the same stem: ``hidden_in`` <-
-    ``hidden_out``, ``v_first_in`` <- ``v_first_out``), anything else comes from
-    ``feeds[name][step]``. Returns every non-state, non-hidden output per step.
+    ``chains[variant][i]`` lists chunk i's inputs ({name, role, output?, shape, dtype})
+    and outputs; ``sessions[variant][i]`` runs it. Per input role: state (fed from the
+    output it names, carried across calls and variants; zeros first), hidden (the
+    previous chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
+    ``v_first_in`` <- ``v_first_out``); anything else is host-fed, read from the
+    call's feeds file under ``chunk{i}/{name}``. Returns every other output as rows
+    of one token each (``[tokens, ...]``), calls concatenated.
     """
     import numpy as np
 
     state = {}
     collected = {}
-    for step in range(steps):
+    for call in calls:
+        chain, chain_sessions = chains[call["variant"]], sessions[call["variant"]]
+        with np.load(call["feeds"]) as stored:
+            host = dict(stored)
         hidden = {}
-        for session, chunk in zip(sessions, chain, strict=True):
+        for index, (session, chunk) in enumerate(zip(chain_sessions, chain, strict=True)):
             feed = {}
             for item in chunk["inputs"]:
                 name, role = item["name"], item["role"]
@@ -336,8 +342,13 @@ def run_chain(sessions: list, chain: list, feeds: dict, steps: int) -> dict:
                 elif role == "hidden":
                     stem = name[: -len("_in")] if name.endswith("_in") else name
                     feed[name] = hidden[f"{stem}_out"]
+                elif f"chunk{index}/{name}" in host:
+                    feed[name] = host[f"chunk{index}/{name}"]
                 else:
-                    feed[name] = feeds[name][step]
+                    raise RuntimeError(
+                        f"error: the verification feeds lack chunk {index} input '{name}' "
+                        f"(role '{role}'); regenerate the spec with this npuforge"
+                    )
             names = [out["name"] for out in chunk["outputs"]]
             values = dict(zip(names, session.run(names, feed), strict=True))
             for item in chunk["inputs"]:
@@ -345,11 +356,14 @@ def run_chain(sessions: list, chain: list, feeds: dict, steps: int) -> dict:
                     state[item["name"]] = values[item["output"]]
             hidden = {}
             for out in chunk["outputs"]:
+                value = values[out["name"]]
                 if out["role"] == "hidden":
-                    hidden[out["name"]] = values[out["name"]]
+                    hidden[out["name"]] = value
                 elif out["role"] != "state":
-                    collected.setdefault(out["name"], []).append(values[out["name"]])
-    return {name: np.stack(arrays) for name, arrays in collected.items()}
+                    # [B, T, ...] -> T rows: prefill and decode calls line up token by token.
+                    rows = np.moveaxis(value, 1, 0).reshape(value.shape[1], -1)
+                    collected.setdefault(out["name"], []).append(rows)
+    return {name: np.concatenate(arrays) for name, arrays in collected.items()}
 
 
 # --------------------------------------------------------------------------- binary facts
@@ -426,14 +440,16 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
                 f"error: chunk {index} {variant} did not compile whole into the HTP context "
                 f"(left on the CPU: {info['other_nodes']})"
             )
-    twin = None
+    twins = {}
     if len(compiled) > 1:
         # QAIRT 2.51's x86 simulator cannot load a multi-graph (weight-shared)
-        # context, so the decode graph is also compiled alone, from the same
-        # source and options, for the simulator check; it is not shipped.
-        twin = work_dir / "simulate" / f"chunk{index}_ctx.onnx"
-        twin.parent.mkdir(parents=True, exist_ok=True)
-        generate_contexts(ort, devices, options, [(compiled[0][0], twin)], share=False)
+        # context, so each graph is also compiled alone, from the same source
+        # and options, for the simulator check; these are not shipped.
+        for graph, (source, _) in zip(chunk["graphs"], compiled, strict=True):
+            twin = work_dir / "simulate" / graph["ctx_file"]
+            twin.parent.mkdir(parents=True, exist_ok=True)
+            generate_contexts(ort, devices, options, [(source, twin)], share=False)
+            twins[graph["variant"]] = str(twin)
     return {
         "index": index,
         "context_seconds": round(seconds, 3),
@@ -441,7 +457,7 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
         "qairt": {b: qairt_version(out_dir / b) for b in binaries},
         "ctx": ctx,
         "quantization": quantization,
-        "simulate_ctx": str(twin) if twin else None,
+        "simulate_ctx": twins,
     }
 
 
@@ -481,26 +497,35 @@ def verify(spec: dict, result: dict) -> dict:
     ort, devices, htp_library = register_qnn()
     options = provider_options(spec, htp_library)
     out_dir = Path(spec["out_dir"])
-    chain = verify_spec["chain"]
-    feeds = dict(np.load(verify_spec["feeds"]))
-    steps = int(verify_spec["steps"])
-    reference = [cpu_session(ort, chunk["source"]) for chunk in chain]
-    ref_out = run_chain(reference, chain, feeds, steps)
+    chains = verify_spec["chains"]
+    calls = verify_spec["calls"]
+    reference = {v: [cpu_session(ort, c["source"]) for c in chain] for v, chain in chains.items()}
+    ref_out = run_calls(reference, chains, calls)
     del reference
     started = time.monotonic()
-    twins = {chunk["index"]: chunk.get("simulate_ctx") for chunk in result["chunks"]}
-    compiled = [
-        simulator_session(ort, devices, options, twins.get(i) or out_dir / chunk["ctx_file"])
-        for i, chunk in enumerate(chain)
-    ]
-    sim_out = run_chain(compiled, chain, feeds, steps)
+    twins = {chunk["index"]: chunk.get("simulate_ctx") or {} for chunk in result["chunks"]}
+    compiled = {
+        variant: [
+            simulator_session(
+                ort, devices, options, twins[i].get(variant) or out_dir / chunk["ctx_file"]
+            )
+            for i, chunk in enumerate(chain)
+        ]
+        for variant, chain in chains.items()
+    }
+    sim_out = run_calls(compiled, chains, calls)
     seconds = time.monotonic() - started
     arrays = {f"reference/{k}": v for k, v in ref_out.items()}
     arrays.update({f"compiled/{k}": v.astype(np.float32) for k, v in sim_out.items()})
     np.savez(verify_spec["outputs"], **arrays)
-    log(f"simulated {steps} steps in {seconds:.1f} s")
+    variants = [call["variant"] for call in calls]
+    log(
+        f"simulated {len(calls)} calls ({variants.count('prefill')} prefill, "
+        f"{variants.count('decode')} decode) in {seconds:.1f} s"
+    )
     return {
-        "steps": steps,
+        "steps": int(verify_spec["steps"]),
+        "calls": {v: variants.count(v) for v in sorted(set(variants))},
         "simulator_seconds": round(seconds, 3),
         "outputs": verify_spec["outputs"],
     }
