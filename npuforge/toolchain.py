@@ -139,6 +139,25 @@ def _pip_environment() -> dict:
     return {k: os.environ[k] for k in keep if os.environ.get(k)}
 
 
+def _pip_source_args() -> list[str]:
+    """Build arguments that give pip in an image build the host's extra package sources.
+
+    Local wheel directories (PIP_FIND_LINKS) are mounted read-only at the same path,
+    so a lock pin such as torch==2.13.0+cpu resolves to the very file the native
+    toolchain installed.
+    """
+    args = []
+    links = [p for p in os.environ.get("PIP_FIND_LINKS", "").split() if p]
+    local = [p for p in links if Path(p).is_dir()]
+    for path in local:
+        args += ["--volume", f"{Path(path).resolve()}:{Path(path).resolve()}:ro"]
+    if links:
+        args += ["--build-arg", f"PIP_FIND_LINKS={' '.join(links)}"]
+    if os.environ.get("PIP_EXTRA_INDEX_URL"):
+        args += ["--build-arg", f"PIP_EXTRA_INDEX_URL={os.environ['PIP_EXTRA_INDEX_URL']}"]
+    return args
+
+
 def _versions_native(python: str, backend: str, repo_root) -> dict:
     script = env_dir(backend, repo_root) / "versions.py"
     out = subprocess.run([python, str(script)], capture_output=True, text=True)
@@ -201,6 +220,7 @@ def _prepare_container(backend, engine, repo_root, log) -> dict:
             # pip inside the build trusts what the host's pip trusts.
             cmd += ["--volume", f"{cert}:/etc/npuforge-host-ca.crt:ro"]
             cmd += ["--build-arg", "PIP_CERT=/etc/npuforge-host-ca.crt"]
+        cmd += _pip_source_args()
         cmd += ["-f", env_dir(backend, repo_root) / "Containerfile", env_dir(backend, repo_root)]
         _run(cmd, log=log, what=f"building image {image}")
     versions = subprocess.run(

@@ -9,6 +9,7 @@ used when present. Without one they skip and say so.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -174,18 +175,62 @@ PLACEMENT_LOG = "".join(
 )
 
 
-def test_parse_placement_counts_cpu_fallback():
+def _job_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("rknn_job", rknn.JOB_SCRIPT)
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
+    return job
+
+
+def test_parse_placement_counts_cpu_fallback():
+    job = _job_module()
     placement = job.parse_placement(PLACEMENT_LOG)
     assert placement["ops"] == {"NPU": 2, "CPU": 1}
     assert placement["cpu_fallback"] == 1
     assert placement["fallback_ops"] == [
         {"op": "Exp", "target": "CPU", "name": "Exp:/layers.0/Exp"}
     ]
+
+
+def test_staging_hides_where_inputs_and_toolchain_live(tmp_path):
+    """Two checkouts (different absolute paths) stage to the same path and spec bytes."""
+    import shutil
+
+    job = _job_module()
+    stages = []
+    for checkout in ("a", "a-checkout-with-a-much-longer-name"):
+        export = tmp_path / checkout / "export"
+        export.mkdir(parents=True)
+        (export / "chunk0.onnx").write_bytes(b"onnx")
+        spec = {
+            "onnx": str(export / "chunk0.onnx"),
+            "dataset": str(tmp_path / checkout / "cal" / "dataset.txt"),
+            "rknn": str(tmp_path / checkout / "out" / "chunk0.rknn"),
+            "build_log": str(tmp_path / checkout / "build.log"),
+            "result": str(tmp_path / checkout / "result.json"),
+            "verify": {"steps": 2, "feeds": {"x": str(tmp_path / checkout / "x.npy")}},
+            "precision": "fp16",
+        }
+        spec_path = tmp_path / checkout / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        stage, python, lock = job._stage(str(spec_path))
+        try:
+            staged = Path(stage, "spec.json").read_bytes()
+            assert str(tmp_path) not in staged.decode()
+            assert json.loads(staged)["onnx"] == "in/chunk0.onnx"
+            assert Path(stage, "in", "chunk0.onnx").read_bytes() == b"onnx"
+            assert json.loads(Path(stage, "dest.json").read_text()) == spec
+            assert python == f"{stage}/py/bin/python"
+            assert Path(python).resolve() == Path(os.path.realpath(sys.executable))
+            cfg = Path(stage, "py", "pyvenv.cfg").read_text()
+            assert str(tmp_path) not in cfg
+            stages.append((stage, staged, cfg))
+        finally:
+            os.close(lock)
+            shutil.rmtree(stage, ignore_errors=True)
+    assert stages[0] == stages[1]
 
 
 def test_plan_chunks_and_precision_checks():
@@ -283,8 +328,8 @@ def _digests(out: Path) -> dict:
 
 
 @pytest.mark.toolchain
-def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_path):
-    first, second = tmp_path / "a", tmp_path / "b"
+def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b-at-a-longer-path"
     record = rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, first)
     figures = record["verification"]
     assert figures["steps"] == 32 and figures["nan_inf"] == 0
@@ -300,6 +345,11 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
     assert [a["file"] for a in record["artifacts"]] == ["chunk0.rknn", "chunk1.rknn"]
     assert sorted(p.name for p in first.iterdir()) == ["chunk0.rknn", "chunk1.rknn", "compile.json"]
 
+    assert record["options"]["site_packages"] in ("hard-linked", "symlinked")
+
+    # The toolkit copies stale pointers into the file: the environment's size and the
+    # output path moved them (9 and 8 bytes differed) before the job staged itself.
+    monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
     rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
     assert _digests(first) == _digests(second)
 

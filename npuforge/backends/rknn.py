@@ -16,10 +16,14 @@ For each chunk of a decode export this module
    (CPU-fallback count) and how the model was split.
 
 Reproducible bytes: rknn-toolkit2 writes heap memory it allocated but never
-initialised (fixed by glibc's ``MALLOC_PERTURB_``: 0xaa for 85) and raw heap
-addresses (fixed by turning off address-space randomisation for the job, one
-malloc arena, one CPU) into the .rknn file; ``rknn_job.py`` sets this up and
-reports whether randomisation was off (``aslr_disabled`` in compile.json).
+initialised (fixed by glibc's ``MALLOC_PERTURB_``: 0xaa for 85) and stale pointers
+from struct padding into the .rknn file. The pointers follow the process's memory
+layout, so ``rknn_job.py`` re-executes itself with randomisation off, one malloc
+arena, one CPU, a fixed environment, and from a fixed-path staging directory that
+hides where the checkout, the inputs and the toolchain live (compile.json:
+``aslr_disabled``, ``site_packages``). What it cannot hide is the interpreter
+binary: a native venv and an image with a different Python build differ in about
+15-30 bytes at the start of each file, all inside that padding.
 Containers need ``--security-opt seccomp=unconfined`` (or a profile allowing
 ``personality(ADDR_NO_RANDOMIZE)``) for that.
 
@@ -285,7 +289,7 @@ def compile_rknn(
         staging.mkdir(parents=True)
         work = staging / "work"
         work.mkdir()
-        artifacts, placements, rewrites, aslr_disabled = [], [], [], []
+        artifacts, placements, rewrites, aslr_disabled, site_packages = [], [], [], [], set()
         previous_outputs = {}
         logits = None
         for index, graph in enumerate(meta["graphs"]):
@@ -333,6 +337,7 @@ def compile_rknn(
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
             aslr_disabled.append(bool(result.get("aslr_disabled")))
+            site_packages.add(result.get("site_packages", "none"))
             for spec_out in graph["outputs"]:
                 if spec_out["role"] == "hidden":
                     previous_outputs[spec_out["name"]] = np.load(save[spec_out["name"]])
@@ -390,6 +395,8 @@ def compile_rknn(
                 "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
                 "malloc_perturb": int(MALLOC_PERTURB),
                 "aslr_disabled": all(aslr_disabled),
+                # hard-linked: the bytes do not depend on where the toolchain lives.
+                "site_packages": ",".join(sorted(site_packages)),
                 "calibration": (
                     {
                         "samples": calibration["samples"],

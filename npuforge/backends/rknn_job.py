@@ -17,14 +17,17 @@ build, the export and the recurrent run happen in this one process: state
 inputs start at zero and take the simulator's own state outputs on each step.
 
 Reproducible bytes. rknn-toolkit2 2.5.0 writes into the .rknn (a) heap bytes it
-allocated but never initialised and (b) raw heap addresses (about 130-280 bytes
-early in the file of a 4-layer RWKV-7 chunk). (a) needs glibc's MALLOC_PERTURB_;
-(b) needs the same addresses every run: no address-space randomisation
-(personality ADDR_NO_RANDOMIZE), one malloc arena, one CPU, a fixed
-PYTHONHASHSEED and one OpenMP thread. ``_deterministic_reexec`` sets all of that
-and re-executes this script once. Container engines' default seccomp profiles
-refuse the personality call; the job then runs with randomisation and says so
-in its result (``aslr_disabled: false``).
+allocated but never initialised and (b) stale pointers from uninitialised struct
+padding (about 10-30 bytes early in the file; every other byte is the same).
+(a) needs glibc's MALLOC_PERTURB_; (b) needs the same memory layout every run: no
+address-space randomisation (personality ADDR_NO_RANDOMIZE), one malloc arena,
+one CPU, a fixed PYTHONHASHSEED, one OpenMP thread, and the same path strings,
+environment and argv, since their sizes shift the heap and the stack. So the job
+re-executes once from a staging directory with a fixed path (``_stage``): the
+interpreter, the inputs and the spec are reached through symlinks and relative
+names there, and the environment is replaced by a fixed one. Container engines'
+default seccomp profiles refuse the personality call unless allowed; the job then
+runs with randomisation and says so in its result (``aslr_disabled: false``).
 """
 
 import json
@@ -92,15 +95,133 @@ _DETERMINISTIC_ENV = {
     "MALLOC_ARENA_MAX": "1",
     "PYTHONHASHSEED": "0",
     "OMP_NUM_THREADS": "1",
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
 }
 ADDR_NO_RANDOMIZE = 0x0040000
+# Spec keys naming files the build reads or writes; the staged spec reaches them
+# through fixed relative names, and ``dest.json`` keeps the real ones.
+_STAGED_NAMES = {"onnx": "in", "dataset": "cal"}
+
+
+def _staged_python(stage):
+    """A venv at ``stage/py`` with fixed contents: the real interpreter and site-packages.
+
+    Python reads its venv's pyvenv.cfg (which names the venv's path) at start-up, and
+    .pyc files carry the path they were compiled at, so the real venv cannot be used
+    as is. Returns the interpreter path to exec.
+    """
+    import platform
+    import sysconfig
+
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    base = os.path.realpath(sys.executable)
+    system_site = sys.prefix == sys.base_prefix or _system_site_packages()
+    root = os.path.join(stage, "py")
+    os.makedirs(os.path.join(root, "bin"))
+    os.makedirs(os.path.join(root, "lib", version))
+    with open(os.path.join(root, "pyvenv.cfg"), "w", encoding="utf-8") as handle:
+        handle.write(
+            f"home = {os.path.dirname(base)}\n"
+            f"include-system-site-packages = {str(system_site).lower()}\n"
+            f"version = {platform.python_version()}\n"
+        )
+    os.symlink(base, os.path.join(root, "bin", "python"))
+    if sys.prefix != sys.base_prefix:
+        site = os.path.join(root, "lib", version, "site-packages")
+        _link_tree(sysconfig.get_paths()["purelib"], site)
+    return os.path.join(root, "bin", "python")
+
+
+def _link_tree(source, target):
+    """Hard-link ``source`` at ``target`` where one filesystem holds both, else symlink it.
+
+    The dynamic loader resolves the real path of every shared library it loads (for
+    $ORIGIN), so with a symlink the toolchain's real location still reaches the heap.
+    A hard-linked tree gives the staged path itself, at the cost of a second or two.
+    """
+    import shutil
+
+    if os.stat(source).st_dev == os.stat(os.path.dirname(target)).st_dev:
+        try:
+            shutil.copytree(source, target, symlinks=True, copy_function=os.link)
+            return
+        except OSError:
+            shutil.rmtree(target, ignore_errors=True)
+    os.symlink(source, target)
+
+
+def _staged_site_packages():
+    """How this run reached its packages: hard-linked (path-independent), symlinked, or none."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = os.path.join("py", "lib", version, "site-packages")
+    if os.path.islink(site):
+        return "symlinked"
+    return "hard-linked" if os.path.isdir(site) else "none"
+
+
+def _system_site_packages():
+    with open(os.path.join(sys.prefix, "pyvenv.cfg"), encoding="utf-8") as handle:
+        for line in handle:
+            key, _, value = line.partition("=")
+            if key.strip() == "include-system-site-packages":
+                return value.strip().lower() == "true"
+    return False
+
+
+def _stage(spec_path):
+    """Lay out the fixed-path staging directory; return (stage, interpreter, lock fd).
+
+    Its name depends only on the staged spec (so on the graph and options, not on
+    where the checkout or the toolchain lives). A lock file serialises the rare
+    concurrent job with the same spec; the lock is inherited across exec.
+    """
+    import fcntl
+    import hashlib
+    import shutil
+
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    links = {}
+    staged = dict(spec)
+    for key, link in _STAGED_NAMES.items():
+        if spec.get(key):
+            real = os.path.abspath(spec[key])
+            links[link] = os.path.dirname(real)
+            staged[key] = f"{link}/{os.path.basename(real)}"
+    staged.update(rknn="out.rknn", build_log="build.log", result=None, verify=None)
+    spec_bytes = json.dumps(staged, indent=1, sort_keys=True).encode()
+    stage = f"/tmp/npuforge-rknn-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
+    lock = os.open(f"{stage}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.set_inheritable(lock, True)
+    shutil.rmtree(stage, ignore_errors=True)
+    os.mkdir(stage, 0o700)
+    for link, target in links.items():
+        os.symlink(target, os.path.join(stage, link))
+    python = _staged_python(stage)
+    shutil.copyfile(os.path.abspath(__file__), os.path.join(stage, "job.py"))
+    with open(os.path.join(stage, "spec.json"), "wb") as handle:
+        handle.write(spec_bytes)
+    with open(os.path.join(stage, "dest.json"), "w", encoding="utf-8") as handle:
+        json.dump(spec, handle)
+    return stage, python, lock
 
 
 def _deterministic_reexec():
-    """Re-execute this script once with fixed heap layout settings (see module doc)."""
+    """Re-execute this script once from the staging directory (see module doc)."""
     if os.environ.get(_PINNED):
         return
-    env = {**os.environ, **_DETERMINISTIC_ENV, _PINNED: "aslr-on"}
+    stage, python, _ = _stage(sys.argv[1])  # the lock stays held across exec
+    env = {
+        **_DETERMINISTIC_ENV,
+        "HOME": stage,
+        # Compile every module afresh: cached .pyc files carry the paths they were
+        # compiled at, and a warm cache would allocate differently from a cold one.
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPYCACHEPREFIX": os.path.join(stage, "no-pycache"),
+        _PINNED: "aslr-on",
+    }
     try:
         import ctypes
 
@@ -116,7 +237,8 @@ def _deterministic_reexec():
         # Any one CPU will do; spread concurrent jobs over the allowed ones.
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+    os.chdir(stage)
+    os.execve(python, [python, "job.py", "spec.json"], env)
 
 
 def _last_toolkit_error(log_path):
@@ -134,12 +256,23 @@ def _check(code, what):
         raise RuntimeError(f"rknn-toolkit2 {what} failed ({detail or f'return code {code}'})")
 
 
+def _destinations(spec):
+    """The spec with real paths: ``dest.json`` beside a staged spec, else the spec itself."""
+    if os.path.isfile("dest.json") and spec.get("result") is None:
+        with open("dest.json", encoding="utf-8") as handle:
+            return json.load(handle)
+    return spec
+
+
 def main(spec_path):
+    import shutil
+
     import numpy as np
     from rknn.api import RKNN
 
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
+    dest = spec
     quantize = spec["precision"] != "fp16"
     log_path = spec["build_log"]
     _LOG["path"] = log_path
@@ -166,8 +299,10 @@ def main(spec_path):
         )
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         timings["compile_s"] = round(time.monotonic() - start, 2)
+        # The real paths are read only now: nothing before the export saw them.
+        dest = _destinations(spec)
 
-        verify = spec.get("verify")
+        verify = dest.get("verify")
         if verify:
             start = time.monotonic()
             _check(rknn.init_runtime(), "init_runtime (simulator)")
@@ -201,6 +336,11 @@ def main(spec_path):
         rknn.release()
     finally:
         restore()
+        dest = _destinations(spec)
+        if dest["build_log"] != spec["build_log"]:
+            shutil.copyfile(spec["build_log"], dest["build_log"])
+    if dest["rknn"] != spec["rknn"]:
+        shutil.copyfile(spec["rknn"], dest["rknn"])
 
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         placement = parse_placement(handle.read())
@@ -208,8 +348,9 @@ def main(spec_path):
         "placement": placement,
         "timings": timings,
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
+        "site_packages": _staged_site_packages(),
     }
-    with open(spec["result"], "w", encoding="utf-8") as handle:
+    with open(dest["result"], "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2, sort_keys=True)
 
 
@@ -220,3 +361,8 @@ if __name__ == "__main__":
     except Exception as err:  # one line the runner can show; the log has the rest
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        if os.path.isfile("dest.json"):
+            import shutil
+
+            shutil.rmtree(os.getcwd(), ignore_errors=True)
