@@ -132,6 +132,52 @@ def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
     assert all(value == [{"quant_type": "U16"}] for value in overrides.values())
 
 
+def test_row_matmuls_of_two_activations_become_mul_reducesum():
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            # r @ state (RWKV's wkv read-out): one row, two activations -> rewritten
+            helper.make_node("MatMul", ["r", "state"], ["read"], name="read"),
+            # an activation times a weight matrix stays a MatMul
+            helper.make_node("MatMul", ["read", "w"], ["proj"], name="proj"),
+            # two rows: not a single-row product, stays a MatMul
+            helper.make_node("MatMul", ["rows", "state"], ["both"], name="both"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 1, 8]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 4, 8, 8]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, 4, 2, 8]),
+        ],
+        [
+            helper.make_tensor_value_info("proj", TensorProto.FLOAT, [1, 4, 1, 8]),
+            helper.make_tensor_value_info("both", TensorProto.FLOAT, [1, 4, 2, 8]),
+        ],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    original = model.SerializeToString()
+    assert qnn_job.row_matmuls_to_mul_reducesum(model) == ["read"]
+    onnx.checker.check_model(model)
+    ops = [node.op_type for node in model.graph.node]
+    assert ops == ["Transpose", "Mul", "ReduceSum", "MatMul", "MatMul"]
+    feeds = {
+        "r": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
+        "state": rng.standard_normal((1, 4, 8, 8)).astype(np.float32),
+        "rows": rng.standard_normal((1, 4, 2, 8)).astype(np.float32),
+    }
+    cpu = ["CPUExecutionProvider"]
+    before = ort.InferenceSession(original, providers=cpu).run(None, feeds)
+    after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_spec_roles_and_ctx_names(tmp_path):
     decode_dir = qnn_fixtures.make_export(tmp_path / "decode", chunks=2)
     prefill_dir = qnn_fixtures.make_export(
