@@ -269,9 +269,9 @@ def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
     assert counts["fetch_tree"] == 1 and "fetch" not in counts
     # onnx (Gather), RK3588 (embedding.bin), SM8650 (embedding.bin + MHA->SHA)
     assert counts["export"] == 3 and counts["verify_onnx"] == 3
-    # llama-tiny builds fp16 only on RK3588 and SM8650 (its registry entry)
-    assert counts["compile"] == 3 and counts["package"] == 3
-    assert "calibrate" not in counts and "tokenizer" not in counts  # tokenizer: none
+    # llama-tiny builds fp16 only on RK3588 (its registry entry); SM8650 fp16 + a16w8
+    assert counts["compile"] == 4 and counts["package"] == 4
+    assert counts["calibrate"] == 1 and "tokenizer" not in counts  # tokenizer: none
 
     exports = shell_commands(output, "export_onnx.py")
     assert all("--cache-len 64" in c and "--mask-value=-64.0" in c for c in exports)
@@ -282,9 +282,9 @@ def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
         target = re.search(r"--target (\S+)", command).group(1)
         uses_sha = any(f"/{key} " in command for key in sha_exports)
         assert uses_sha == (target == "SM8650"), command
-    assert len(compiles) == 3
+    assert len(compiles) == 4
     packages = shell_commands(output, "package_release.py")
-    assert all("--no-tokenizer" in c for c in packages) and len(packages) == 3
+    assert all("--no-tokenizer" in c for c in packages) and len(packages) == 4
 
 
 def test_llama_model_precisions_narrow_the_target(workflow):
