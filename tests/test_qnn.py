@@ -335,17 +335,21 @@ def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
 
 
 @pytest.mark.toolchain
-@pytest.mark.xfail(
-    strict=False,
-    reason="QAIRT 2.51's HTP compiler is not byte-reproducible: a few 32-64-byte spans of a "
-    "context differ between runs of the same plain ONNX Runtime call (every run on the demo "
-    "RWKV-7, about 1 in 5 on this toy), even in a fresh process with MALLOC_PERTURB_ set",
-)
-def test_rebuild_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+    # QAIRT 2.51 writes uninitialised heap bytes into padding of fp16 constants:
+    # only the job's pinned heap (MALLOC_PERTURB_, no tcache, no ASLR, fixed
+    # PYTHONHASHSEED) and prepare-only generation make them repeat. Same place:
+    # the heap history depends on path lengths.
     first, manifest = sm8650_fp16
-    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16-again", SM8650, "fp16")
-    for artifact in manifest["artifacts"]:
-        assert (first / artifact["file"]).read_bytes() == (again / artifact["file"]).read_bytes()
+    assert manifest["reproducible"] is True
+    assert manifest["options"]["generation_options"] == {"enable_htp_prepare_only": "1"}
+    assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
+    before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
+    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
+    assert again == first
+    for name, data in before.items():
+        assert (again / name).read_bytes() == data, name
+    assert rebuilt["artifacts"] == manifest["artifacts"]
 
 
 @pytest.mark.toolchain

@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,38 +84,57 @@ def provider_options(spec: dict, htp_library: str) -> dict:
     return options
 
 
-def _load_model_bytes(path: str, session_options) -> bytes:
-    # Loading from bytes keeps the source path out of the EP's partition hash,
-    # which is compiled into the binary: the same graph gives the same binary
-    # wherever the build directory is.
-    session_options.add_session_config_entry(
-        "session.model_external_initializers_file_folder_path", str(Path(path).parent)
-    )
-    return Path(path).read_bytes()
+# Context generation only prepares and serialises the graph: loading it into the
+# x86 HTP simulator in the same session runs threads beside the serialiser that
+# make the uninitialised padding differ run to run (see compile_chunks).
+GENERATION_OPTIONS = {"enable_htp_prepare_only": "1"}
+
+
+def _graph_folder(links: Path, source: Path, ctx_path: Path) -> str:
+    """A fixed relative name for the source's folder (a symlink in ``links``).
+
+    ONNX Runtime hashes the external-initializer folder into the EP partition
+    (QNN graph) name compiled into the binary; from bytes it hashes no model
+    path. Named after the context file, relative to ``links``, it is the same
+    wherever the build (or a16w8's temporary QDQ directory) is, and differs
+    between the graphs that share one context, as their names must.
+    """
+    link = links / ctx_path.stem
+    link.symlink_to(source.parent, target_is_directory=True)
+    return link.name
 
 
 def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) -> None:
     """Compile each (source, ctx_path) in order; with ``share`` they form one context."""
-    for position, (source, ctx_path) in enumerate(graphs):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.add_session_config_entry("ep.context_enable", "1")
-        so.add_session_config_entry("ep.context_file_path", str(ctx_path))
-        so.add_session_config_entry("ep.context_embed_mode", "0")
-        # A graph the HTP cannot take whole must fail here, not run half on the CPU.
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        if share:
-            so.add_session_config_entry("ep.share_ep_contexts", "1")
-            if position == len(graphs) - 1:
-                so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
-        so.add_provider_for_devices(devices, options)
-        model = _load_model_bytes(source, so)
-        started = time.monotonic()
-        ort.InferenceSession(model, so)
-        log(
-            f"context for {Path(source).name} -> {Path(ctx_path).name} "
-            f"in {time.monotonic() - started:.1f} s"
-        )
+    previous = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="qnn-graphs-") as links:
+        for position, (source, ctx_path) in enumerate(graphs):
+            source, ctx_path = Path(source).resolve(), Path(ctx_path).resolve()
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.add_session_config_entry("ep.context_enable", "1")
+            so.add_session_config_entry("ep.context_file_path", str(ctx_path))
+            so.add_session_config_entry("ep.context_embed_mode", "0")
+            # A graph the HTP cannot take whole must fail here, not run half on the CPU.
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+            if share:
+                so.add_session_config_entry("ep.share_ep_contexts", "1")
+                if position == len(graphs) - 1:
+                    so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+            so.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path",
+                _graph_folder(Path(links), source, ctx_path),
+            )
+            so.add_provider_for_devices(devices, {**options, **GENERATION_OPTIONS})
+            model = source.read_bytes()
+            started = time.monotonic()
+            os.chdir(links)
+            try:
+                ort.InferenceSession(model, so)
+            finally:
+                os.chdir(previous)
+            seconds = time.monotonic() - started
+            log(f"context for {source.name} -> {ctx_path.name} in {seconds:.1f} s")
 
 
 def simulator_session(ort, devices, options: dict, ctx_path: str):
@@ -524,22 +544,80 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
         "ctx": ctx,
         "quantization": quantization,
         "simulate_ctx": twins,
+        "heap": heap_settings(),
     }
 
 
-def compile_chunks(spec: dict, spec_path: str) -> dict:
-    """Compile every chunk, each in a fresh process with glibc's MALLOC_PERTURB_ set.
+# Heap settings for the chunk processes (see compile_chunks). tcache_count=0 sends
+# every malloc through the path that applies MALLOC_PERTURB_ (tcache hits skip it
+# and carry a per-process random key).
+MALLOC_PERTURB = "85"
+TCACHE_OFF = "glibc.malloc.tcache_count=0"
+ADDR_NO_RANDOMIZE = 0x0040000
 
-    A second compile in one process picks up heap left by the first, which made
-    small graphs' binaries differ run to run; this removes that. It does not make
-    QAIRT 2.51's HTP compiler itself reproducible: on larger graphs (the demo
-    RWKV-7) a few hundred bytes in 32-64-byte spans differ between runs of the
-    very same plain ONNX Runtime call, with or without this.
+
+def _disable_aslr() -> bool:
+    """Turn off address randomisation for the processes this one starts; True if it took."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
+        libc.personality.argtypes = [ctypes.c_ulong]
+        current = libc.personality(0xFFFFFFFF)
+        return current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1
+    except (OSError, AttributeError):
+        return False
+
+
+def heap_settings() -> dict:
+    """What this process actually runs with, for the manifest's ``reproducible``."""
+    try:
+        personality = int(Path("/proc/self/personality").read_text(), 16)
+    except (OSError, ValueError):
+        personality = 0
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return {
+        "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
+        "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
+        "tcache_disabled": TCACHE_OFF in tunables.split(":"),
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
+    }
+
+
+def chunk_env(environ: dict) -> dict:
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    tunables = [t for t in tunables if not t.startswith("glibc.malloc.tcache_count=")]
+    return dict(
+        environ,
+        MALLOC_PERTURB_=environ.get("MALLOC_PERTURB_") or MALLOC_PERTURB,
+        GLIBC_TUNABLES=":".join(tunables + [TCACHE_OFF]),
+        # Python's own allocations (set and dict order) must repeat too.
+        PYTHONHASHSEED="0",
+    )
+
+
+def compile_chunks(spec: dict, spec_path: str) -> dict:
+    """Compile every chunk, each in a fresh process with fixed heap contents and addresses.
+
+    QAIRT 2.51's HTP compiler leaves the padding half-words of some fp16 constant
+    tensors (HVX vectors with every other 16-bit slot unused) uninitialised, so
+    whatever its heap held there lands in the binary: freed objects' vtable and
+    heap pointers, an earlier tensor's values, tcache keys. The chunk process
+    runs with MALLOC_PERTURB_ (every allocation filled with 0xaa), the glibc
+    tcache off (its hits skip that fill), PYTHONHASHSEED=0 and address
+    randomisation off (the pointers, and the allocation order that depends on
+    them, repeat), and generates contexts prepare-only (GENERATION_OPTIONS): no
+    simulator threads run beside the serialiser. The heap history still depends
+    on the process's paths and environment: builds repeat byte for byte in the
+    same place. Containers whose seccomp profile refuses personality() run with
+    randomisation; the result says so.
     """
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
     work_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MALLOC_PERTURB_=os.environ.get("MALLOC_PERTURB_") or "85")
+    _disable_aslr()  # inherited by the chunk processes
+    env = chunk_env(os.environ)
     chunks = []
     for chunk in spec["chunks"]:
         out = work_dir / f"chunk{chunk['index']}_result.json"
@@ -552,6 +630,7 @@ def compile_chunks(spec: dict, spec_path: str) -> dict:
     options = provider_options(spec, htp_library)
     return {
         "provider_options": {k: v for k, v in options.items() if k != "backend_path"},
+        "generation_options": GENERATION_OPTIONS,
         "chunks": chunks,
     }
 
