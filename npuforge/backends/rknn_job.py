@@ -10,7 +10,9 @@ The spec (written by npuforge.backends.rknn) holds absolute paths and options:
 ``quantized_algorithm``, ``optimization_level``, ``dataset`` (or null),
 ``inputs``/``outputs`` (graph order: name, shape, role, and ``output`` for a
 state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]},
-save: {output: .npy to write [steps, *shape]}}), ``build_log`` and ``result``.
+save: {output: .npy to write [steps, *shape]}}), ``build_log``, ``result``, and
+``float16`` (null, {op_types: [...]} or {except_op_types: [...]}: hybrid
+quantization, see ``_hybrid_build``) with ``hybrid_dir`` (its scratch directory).
 
 The simulator only works inside the RKNN object that built the model, so the
 build, the export and the recurrent run happen in this one process: state
@@ -190,6 +192,8 @@ def _stage(spec_path):
             links[link] = os.path.dirname(real)
             staged[key] = f"{link}/{os.path.basename(real)}"
     staged.update(rknn="out.rknn", build_log="build.log", result=None, verify=None)
+    if spec.get("hybrid_dir"):
+        staged["hybrid_dir"] = "hybrid"  # scratch: nothing outside the job reads it
     spec_bytes = json.dumps(staged, indent=1, sort_keys=True).encode()
     stage = f"/tmp/npuforge-rknn-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
     lock = os.open(f"{stage}.lock", os.O_CREAT | os.O_RDWR, 0o600)
@@ -264,6 +268,76 @@ def _destinations(spec):
     return spec
 
 
+def _hybrid_build(rknn, spec, keep):
+    """Quantize with the outputs of some op types kept in float16 (hybrid quantization).
+
+    hybrid_quantization_step1 writes <stem>.model (an ONNX ModelProto of the
+    toolkit's own graph), <stem>.data and <stem>.quantization.cfg into the working
+    directory; the cfg's ``custom_quantize_layers`` gets every output tensor of the
+    chosen op types (``op_types``) or of all others (``except_op_types``) as
+    ``float16``, and step2 builds from the three files.
+    """
+    import hashlib
+
+    from rknn.api import RKNN
+
+    # Absolute before the chdir: a staged spec holds paths relative to the stage.
+    work, dataset = os.path.abspath(spec["hybrid_dir"]), os.path.abspath(spec["dataset"])
+    os.makedirs(work, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        _check(rknn.hybrid_quantization_step1(dataset=dataset), "hybrid_quantization_step1")
+        rknn.release()
+        stem = os.path.join(work, os.path.splitext(os.path.basename(spec["onnx"]))[0])
+        with open(stem + ".quantization.cfg", encoding="utf-8") as handle:
+            text = handle.read()
+        names, total = _float16_tensors(stem + ".model", keep)
+        text = _with_float16_layers(text, names)
+        with open(stem + ".quantization.cfg", "w", encoding="utf-8") as handle:
+            handle.write(text)
+        rknn = RKNN(verbose=True)
+        _check(
+            rknn.hybrid_quantization_step2(
+                model_input=stem + ".model",
+                data_input=stem + ".data",
+                model_quantization_cfg=stem + ".quantization.cfg",
+            ),
+            "hybrid_quantization_step2",
+        )
+    finally:
+        os.chdir(cwd)
+    record = {
+        "float16_tensors": len(names),
+        "tensors": total,
+        "config_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    }
+    return rknn, record
+
+
+def _float16_tensors(model_path, keep):
+    """(output tensors of the chosen ops in graph order, all op output tensors)."""
+    import onnx  # a dependency of rknn-toolkit2
+
+    graph = onnx.load(model_path, load_external_data=False).graph
+    wanted, unwanted = set(keep.get("op_types", ())), set(keep.get("except_op_types", ()))
+    names, total = [], 0
+    for node in graph.node:
+        total += len(node.output)
+        if (node.op_type in wanted) if wanted else (node.op_type not in unwanted):
+            names.extend(node.output)
+    return names, total
+
+
+def _with_float16_layers(text, names):
+    """The .quantization.cfg text with ``custom_quantize_layers`` set to ``names``."""
+    head, found, rest = text.partition("\nquantize_parameters:")
+    if not found or not head.startswith("custom_quantize_layers:"):
+        raise RuntimeError("unexpected .quantization.cfg layout from hybrid_quantization_step1")
+    lines = ["custom_quantize_layers:"] + [f"    {name}: float16" for name in names]
+    return "\n".join(lines) + found + rest
+
+
 def main(spec_path):
     import shutil
 
@@ -293,10 +367,15 @@ def main(spec_path):
             config["auto_hybrid_cos_thresh"] = float(spec["auto_hybrid_cos_thresh"])
         _check(rknn.config(**config), "config")
         _check(rknn.load_onnx(model=spec["onnx"]), "load_onnx")
-        _check(
-            rknn.build(do_quantization=quantize, dataset=spec["dataset"], auto_hybrid=hybrid),
-            "build",
-        )
+        keep = spec.get("float16") if quantize else None
+        if keep:
+            rknn, hybrid_record = _hybrid_build(rknn, spec, keep)
+        else:
+            _check(
+                rknn.build(do_quantization=quantize, dataset=spec["dataset"], auto_hybrid=hybrid),
+                "build",
+            )
+            hybrid_record = None
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         timings["compile_s"] = round(time.monotonic() - start, 2)
         # The real paths are read only now: nothing before the export saw them.
@@ -349,6 +428,7 @@ def main(spec_path):
         "timings": timings,
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
         "site_packages": _staged_site_packages(),
+        "hybrid": hybrid_record,
     }
     with open(dest["result"], "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2, sort_keys=True)
