@@ -352,6 +352,47 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     assert rebuilt["artifacts"] == manifest["artifacts"]
 
 
+@pytest.fixture(scope="module")
+def wide_head_export(tmp_path_factory):
+    """A 1-layer RWKV-7 with a 128 x 65536 head: big fp16 constants, whose HVX padding
+    QAIRT leaves uninitialised (the toy fixture's graphs are too small to show it)."""
+    from npuforge.export import export_checkpoint
+    from npuforge.synthetic import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("wide")
+    write_synthetic_checkpoint(
+        root / "c.pth", version=7, layers=1, embed=128, vocab=65536, head_size=64, seed=0
+    )
+    export = root / "export"
+    export_checkpoint(
+        root / "c.pth", export, variant="decode", chunks=1, dtype="fp32", ext_embedding=True
+    )
+    return export
+
+
+@pytest.mark.toolchain
+def test_rebuild_elsewhere_is_byte_identical(wide_head_export, qnn_stamp, tmp_path, monkeypatch):
+    # Each chunk compiles from a fixed-path stage with a fixed environment. Before,
+    # this copy at a longer path (and a larger environment) gave another .bin.
+    import shutil
+
+    first = tmp_path / "a"
+    manifest = qnn.compile_qnn([wide_head_export], None, "SM8650", SM8650, "fp16", qnn_stamp, first)
+    assert manifest["reproducible"] is True
+    assert set(manifest["options"]["site_packages"]) <= {"hard-linked", "symlinked"}
+    elsewhere = tmp_path / "a-checkout-at-a-much-longer-path-than-the-first-one"
+    shutil.copytree(wide_head_export, elsewhere / "export")
+    monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
+    out = elsewhere / "SM8650-fp16"
+    rebuilt = qnn.compile_qnn(
+        [elsewhere / "export"], None, "SM8650", SM8650, "fp16", qnn_stamp, out
+    )
+    assert rebuilt["artifacts"] == manifest["artifacts"]
+    for artifact in manifest["artifacts"]:
+        name = artifact["file"]
+        assert (out / name).read_bytes() == (first / name).read_bytes(), name
+
+
 @pytest.mark.toolchain
 def test_each_soc_gets_its_own_verified_binary(sm8650_fp16, qnn_stamp, workspace):
     first, manifest = sm8650_fp16

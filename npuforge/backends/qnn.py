@@ -738,6 +738,8 @@ def _manifest(
             "provider_options": result["provider_options"],
             "generation_options": result.get("generation_options", {}),
             "heap": [chunk.get("heap") for chunk in result["chunks"]],
+            # hard-linked: the bytes do not depend on where the toolchain venv lives.
+            "site_packages": sorted({c.get("site_packages", "none") for c in result["chunks"]}),
             "graphs": variants,
             "export": {
                 "variant": decode.get("variant"),

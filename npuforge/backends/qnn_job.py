@@ -109,7 +109,7 @@ def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) ->
     previous = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="qnn-graphs-") as links:
         for position, (source, ctx_path) in enumerate(graphs):
-            source, ctx_path = Path(source).resolve(), Path(ctx_path).resolve()
+            source, ctx_path = Path(os.path.abspath(source)), Path(os.path.abspath(ctx_path))
             so = ort.SessionOptions()
             so.log_severity_level = 3
             so.add_session_config_entry("ep.context_enable", "1")
@@ -585,7 +585,18 @@ def heap_settings() -> dict:
     }
 
 
+def _load_job_stage():
+    """npuforge/backends/job_stage.py, loaded by path (this directory is off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("job_stage", _HERE / "job_stage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def chunk_env(environ: dict) -> dict:
+    """Heap settings on top of ``environ`` (other GLIBC_TUNABLES kept)."""
     tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
     tunables = [t for t in tunables if not t.startswith("glibc.malloc.tcache_count=")]
     return dict(
@@ -595,6 +606,69 @@ def chunk_env(environ: dict) -> dict:
         # Python's own allocations (set and dict order) must repeat too.
         PYTHONHASHSEED="0",
     )
+
+
+def staged_chunk_spec(spec: dict, chunk: dict) -> tuple[dict, dict]:
+    """(spec of one chunk with stage-relative paths, {link name: real directory}).
+
+    Sources are reached as ``in{k}/<file>``, graph k's calibration samples as
+    ``cal{k}/<file>``; the chunk writes into ``out`` and ``work`` in the stage.
+    """
+    links, graphs = {}, []
+    for k, graph in enumerate(chunk["graphs"]):
+        graph = dict(graph)
+        model = Path(graph["model"]).resolve()
+        links[f"in{k}"] = str(model.parent)
+        graph["model"] = f"in{k}/{model.name}"
+        samples = graph.get("calibration")
+        if samples:
+            folders = {str(Path(p).resolve().parent) for sample in samples for p in sample.values()}
+            if len(folders) != 1:
+                raise RuntimeError(
+                    f"error: chunk {chunk['index']}'s samples span {len(folders)} folders"
+                )
+            links[f"cal{k}"] = folders.pop()
+            graph["calibration"] = [
+                {name: f"cal{k}/{Path(path).name}" for name, path in sample.items()}
+                for sample in samples
+            ]
+        graphs.append(graph)
+    staged = {k: v for k, v in spec.items() if k not in ("chunks", "verify")}
+    staged.update(out_dir="out", work_dir="work", chunks=[{**chunk, "graphs": graphs}])
+    return staged, links
+
+
+def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
+    """Compile one chunk in a fresh process from its stage; copy its outputs back."""
+    import shutil
+
+    staged, links = staged_chunk_spec(spec, chunk)
+    stage, python, lock = job_stage.make_stage(
+        "qnn", staged, links, [str(Path(__file__).resolve()), job_stage.__file__]
+    )
+    try:
+        os.mkdir(os.path.join(stage, "out"))
+        os.mkdir(os.path.join(stage, "work"))
+        env = job_stage.fixed_environment(stage, chunk_env({}))
+        command = [python, Path(__file__).name, "spec.json", "--chunk", str(chunk["index"])]
+        run = subprocess.run(command, env=env, cwd=stage)
+        if run.returncode != 0:
+            raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
+        out_dir, work_dir = Path(spec["out_dir"]), Path(spec["work_dir"])
+        for produced in sorted(Path(stage, "out").iterdir()):
+            shutil.copyfile(produced, out_dir / produced.name)
+        result = json.loads(Path(stage, "work", f"chunk{chunk['index']}_result.json").read_text())
+        for variant, twin in sorted(result.get("simulate_ctx", {}).items()):
+            # The simulator-only twins (see compile_chunk) go where verify() reads them.
+            for produced in Path(stage, twin).parent.iterdir():
+                (work_dir / "simulate").mkdir(exist_ok=True)
+                shutil.copyfile(produced, work_dir / "simulate" / produced.name)
+            result["simulate_ctx"][variant] = str(work_dir / "simulate" / Path(twin).name)
+        result["site_packages"] = job_stage.site_packages_mode(stage)
+        return result
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(lock)
 
 
 def compile_chunks(spec: dict, spec_path: str) -> dict:
@@ -608,24 +682,19 @@ def compile_chunks(spec: dict, spec_path: str) -> dict:
     tcache off (its hits skip that fill), PYTHONHASHSEED=0 and address
     randomisation off (the pointers, and the allocation order that depends on
     them, repeat), and generates contexts prepare-only (GENERATION_OPTIONS): no
-    simulator threads run beside the serialiser. The heap history still depends
-    on the process's paths and environment: builds repeat byte for byte in the
-    same place. Containers whose seccomp profile refuses personality() run with
-    randomisation; the result says so.
+    simulator threads run beside the serialiser. The heap history also follows
+    the lengths of the process's paths and environment, so each chunk runs from
+    a fixed-path stage with a fixed environment (job_stage.py): builds repeat
+    byte for byte wherever the checkout and the toolchain live. Containers whose
+    seccomp profile refuses personality() run with randomisation; the result
+    says so.
     """
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
     work_dir.mkdir(parents=True, exist_ok=True)
     _disable_aslr()  # inherited by the chunk processes
-    env = chunk_env(os.environ)
-    chunks = []
-    for chunk in spec["chunks"]:
-        out = work_dir / f"chunk{chunk['index']}_result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), str(spec_path), "--chunk"]
-        run = subprocess.run(command + [str(chunk["index"])], env=env)
-        if run.returncode != 0:
-            raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
-        chunks.append(json.loads(out.read_text()))
+    job_stage = _load_job_stage()
+    chunks = [_compile_staged(spec, chunk, job_stage) for chunk in spec["chunks"]]
     _, _, htp_library = register_qnn()
     options = provider_options(spec, htp_library)
     return {
