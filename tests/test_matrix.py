@@ -49,7 +49,11 @@ def test_default_selection_builds_the_demo_reference():
 
 def test_target_selection_uses_default_precisions():
     builds = select_builds(selection(target="SM8650,RK3588"), MODELS, TARGETS)
-    assert [(b.target, b.precision) for b in builds] == [("SM8650", "fp16"), ("RK3588", "fp16")]
+    assert [(b.target, b.precision) for b in builds] == [
+        ("SM8650", "fp16"),
+        ("SM8650", "a16w8"),
+        ("RK3588", "fp16"),
+    ]
     builds = select_builds(selection(target="SM8350"), MODELS, TARGETS)
     assert [(b.target, b.precision) for b in builds] == [("SM8350", "a16w8")]
 

@@ -132,6 +132,52 @@ def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
     assert all(value == [{"quant_type": "U16"}] for value in overrides.values())
 
 
+def test_row_matmuls_of_two_activations_become_mul_reducesum():
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            # r @ state (RWKV's wkv read-out): one row, two activations -> rewritten
+            helper.make_node("MatMul", ["r", "state"], ["read"], name="read"),
+            # an activation times a weight matrix stays a MatMul
+            helper.make_node("MatMul", ["read", "w"], ["proj"], name="proj"),
+            # two rows: not a single-row product, stays a MatMul
+            helper.make_node("MatMul", ["rows", "state"], ["both"], name="both"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 1, 8]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 4, 8, 8]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, 4, 2, 8]),
+        ],
+        [
+            helper.make_tensor_value_info("proj", TensorProto.FLOAT, [1, 4, 1, 8]),
+            helper.make_tensor_value_info("both", TensorProto.FLOAT, [1, 4, 2, 8]),
+        ],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    original = model.SerializeToString()
+    assert qnn_job.row_matmuls_to_mul_reducesum(model) == ["read"]
+    onnx.checker.check_model(model)
+    ops = [node.op_type for node in model.graph.node]
+    assert ops == ["Transpose", "Mul", "ReduceSum", "MatMul", "MatMul"]
+    feeds = {
+        "r": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
+        "state": rng.standard_normal((1, 4, 8, 8)).astype(np.float32),
+        "rows": rng.standard_normal((1, 4, 2, 8)).astype(np.float32),
+    }
+    cpu = ["CPUExecutionProvider"]
+    before = ort.InferenceSession(original, providers=cpu).run(None, feeds)
+    after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_spec_roles_and_ctx_names(tmp_path):
     decode_dir = qnn_fixtures.make_export(tmp_path / "decode", chunks=2)
     prefill_dir = qnn_fixtures.make_export(
@@ -313,17 +359,62 @@ def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
 
 
 @pytest.mark.toolchain
-@pytest.mark.xfail(
-    strict=False,
-    reason="QAIRT 2.51's HTP compiler is not byte-reproducible: a few 32-64-byte spans of a "
-    "context differ between runs of the same plain ONNX Runtime call (every run on the demo "
-    "RWKV-7, about 1 in 5 on this toy), even in a fresh process with MALLOC_PERTURB_ set",
-)
-def test_rebuild_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+    # QAIRT 2.51 writes uninitialised heap bytes into padding of fp16 constants:
+    # only the job's pinned heap (MALLOC_PERTURB_, no tcache, no ASLR, fixed
+    # PYTHONHASHSEED) and prepare-only generation make them repeat. Same place:
+    # the heap history depends on path lengths.
     first, manifest = sm8650_fp16
-    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16-again", SM8650, "fp16")
+    assert manifest["reproducible"] is True
+    assert manifest["options"]["generation_options"] == {"enable_htp_prepare_only": "1"}
+    assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
+    before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
+    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
+    assert again == first
+    for name, data in before.items():
+        assert (again / name).read_bytes() == data, name
+    assert rebuilt["artifacts"] == manifest["artifacts"]
+
+
+@pytest.fixture(scope="module")
+def wide_head_export(tmp_path_factory):
+    """A 1-layer RWKV-7 with a 128 x 65536 head: big fp16 constants, whose HVX padding
+    QAIRT leaves uninitialised (the toy fixture's graphs are too small to show it)."""
+    from npuforge.export import export_checkpoint
+    from npuforge.synthetic import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("wide")
+    write_synthetic_checkpoint(
+        root / "c.pth", version=7, layers=1, embed=128, vocab=65536, head_size=64, seed=0
+    )
+    export = root / "export"
+    export_checkpoint(
+        root / "c.pth", export, variant="decode", chunks=1, dtype="fp32", ext_embedding=True
+    )
+    return export
+
+
+@pytest.mark.toolchain
+def test_rebuild_elsewhere_is_byte_identical(wide_head_export, qnn_stamp, tmp_path, monkeypatch):
+    # Each chunk compiles from a fixed-path stage with a fixed environment. Before,
+    # this copy at a longer path (and a larger environment) gave another .bin.
+    import shutil
+
+    first = tmp_path / "a"
+    manifest = qnn.compile_qnn([wide_head_export], None, "SM8650", SM8650, "fp16", qnn_stamp, first)
+    assert manifest["reproducible"] is True
+    assert set(manifest["options"]["site_packages"]) <= {"hard-linked", "symlinked"}
+    elsewhere = tmp_path / "a-checkout-at-a-much-longer-path-than-the-first-one"
+    shutil.copytree(wide_head_export, elsewhere / "export")
+    monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
+    out = elsewhere / "SM8650-fp16"
+    rebuilt = qnn.compile_qnn(
+        [elsewhere / "export"], None, "SM8650", SM8650, "fp16", qnn_stamp, out
+    )
+    assert rebuilt["artifacts"] == manifest["artifacts"]
     for artifact in manifest["artifacts"]:
-        assert (first / artifact["file"]).read_bytes() == (again / artifact["file"]).read_bytes()
+        name = artifact["file"]
+        assert (out / name).read_bytes() == (first / name).read_bytes(), name
 
 
 @pytest.mark.toolchain

@@ -245,6 +245,26 @@ def test_plan_chunks_and_precision_checks():
     assert rknn.unavailable_reason("native", RK3588) is None
 
 
+def test_float16_selection_is_checked():
+    keep = {**RK3588, "float16": {"w8a8": {"except_op_types": ["Conv", "Conv"]}}}
+    assert rknn.float16_selection(keep, "w8a8") == {"except_op_types": ["Conv"]}
+    assert rknn.float16_selection(keep, "fp16") is None
+    assert rknn.float16_selection(keep, "w16a16i_dfp") is None
+    assert rknn.float16_selection(RK3588, "w8a8") is None
+    bad = [
+        ({"w8a16": {"op_types": ["Conv"]}}, "must map quantized precisions"),
+        ({"w8a8": {"op_types": ["Conv"], "except_op_types": ["Mul"]}}, "must be {op_types"),
+        ({"w8a8": {"layers": ["Conv"]}}, "must be {op_types"),
+        ({"w8a8": {"op_types": []}}, "non-empty list"),
+        ({"w8a8": {"op_types": "Conv"}}, "non-empty list"),
+    ]
+    for table, message in bad:
+        with pytest.raises(NpuforgeError, match=message):
+            rknn.float16_selection({**RK3588, "float16": table}, "w8a8")
+    with pytest.raises(NpuforgeError, match="set only one"):
+        rknn.float16_selection({**keep, "auto_hybrid": True}, "w8a8")
+
+
 # --------------------------------------------------------------------------- compile flow
 
 
@@ -377,6 +397,42 @@ def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
             f"w8a8 logits cosine {figures['cosine']} (mean {figures['cosine_mean']}) is below "
             "issue 4's 0.999 goal with rknn-toolkit2 2.5.0 int8 activations"
         )
+
+
+@pytest.mark.toolchain
+def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, toolchain, tmp_path):
+    from npuforge.calibration import make_calibration_samples
+
+    calibration = tmp_path / "calibration"
+    make_calibration_samples(export_dir, calibration, samples=8, steps=32, seed=0)
+    plain_options = {**RK3588, "min_cosine": 0.0}
+    # Only the weight matmuls (Conv in the toolkit's graph) stay int8.
+    options = {**plain_options, "float16": {"w8a8": {"except_op_types": ["Conv"]}}}
+    plain = rknn.compile_rknn(
+        [export_dir], calibration, "RK3588", plain_options, "w8a8", toolchain, tmp_path / "p"
+    )
+    first, second = tmp_path / "a", tmp_path / "b"
+    record = rknn.compile_rknn(
+        [export_dir], calibration, "RK3588", options, "w8a8", toolchain, first
+    )
+    assert plain["options"]["float16"] is None
+    float16 = record["options"]["float16"]
+    assert float16["selection"] == {"except_op_types": ["Conv"]}
+    assert [c["chunk"] for c in float16["chunks"]] == [0, 1]
+    for chunk in float16["chunks"]:
+        assert 0 < chunk["float16_tensors"] < chunk["tensors"]
+        assert len(chunk["config_sha256"]) == 64
+    assert record["placement"]["cpu_fallback"] == 0
+    figures = record["verification"]
+    assert figures["nan_inf"] == 0
+    assert figures["cosine"] > plain["verification"]["cosine"]
+    assert figures["cosine_mean"] > plain["verification"]["cosine_mean"]
+
+    again = rknn.compile_rknn(
+        [export_dir], calibration, "RK3588", options, "w8a8", toolchain, second
+    )
+    assert _digests(first) == _digests(second)
+    assert again["options"]["float16"] == float16
 
 
 @pytest.mark.toolchain

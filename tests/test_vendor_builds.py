@@ -1,7 +1,7 @@
 """End to end through Snakemake: the demo model for one SoC of each vendor that runs here.
 
     snakemake --cores all --config target=RK3588 toolchain_runtime=podman
-    snakemake --cores all --config target=SM8650
+    snakemake --cores all --config target=SM8650      # fp16 and a16w8
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
 with the real vendor compiler, verifies on the vendor's simulator and packages a
@@ -93,3 +93,19 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
     # The context binary is QNN's own format, naming the QAIRT build inside.
     data = (bundle / sorted(binaries)[0]).read_bytes()
     assert b"2.51" in data
+
+    # a16w8 is a default precision of SM8650 too, held to the 8-bit gate.
+    quantized = check_bundle(bundle_of(workflow, "SM8650", "a16w8"))["compile"]
+    figures = quantized["verification"]
+    assert figures["steps"] >= 32 and figures["nan_inf"] == 0
+    assert figures["min_cosine"] == 0.999 and figures["cosine"] >= 0.999
+    notes = quantized["options"]["chunks"][0]["quantization"]["decode"]
+    assert notes["weight_type"] == "int8" and notes["activation_type"] == "uint16"
+    # every layer's wkv read-out r @ state and its state-side product (4 layers)
+    assert len(notes["row_matmuls_as_mul_reducesum"]) == 8
+    assert {"state_0_wkv", "state_0_wkv_out"} <= set(notes["kept_16bit"])
+
+    def binary_bytes(manifest):
+        return sum(a["bytes"] for a in manifest["artifacts"] if a["role"] == "binary")
+
+    assert binary_bytes(quantized) < 0.6 * binary_bytes(compiled)

@@ -97,12 +97,15 @@ def test_vendor_targets_share_exports_and_calibration(workflow):
         reason = unavailable_reason("qnn", "native", options[target]["options"])
         if reason:
             pytest.skip(f"qnn toolchain check refuses here: {reason}")
-    # a16w8 is built on request only (targets.yaml): ask for it to plan a calibration
+    # SM8550 builds a16w8 on request only (targets.yaml): ask for it on both
     counts = dry_run(workflow, "--config", "target=SM8650,SM8550", "precision=fp16,a16w8")
     assert counts["export"] == 1  # equal export needs: one export for both SoCs
     assert counts["calibrate"] == 1
     assert counts["prepare_toolchain"] == 1
     assert counts["compile"] == 4 and counts["package"] == 4
+    # SM8650 builds fp16 and a16w8 by default, so its default run calibrates
+    counts = dry_run(workflow, "--config", "target=SM8650")
+    assert counts["calibrate"] == 1 and counts["compile"] == 2
 
 
 def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
@@ -292,9 +295,9 @@ def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
     assert counts["fetch_tree"] == 1 and "fetch" not in counts
     # onnx (Gather), RK3588 (embedding.bin), SM8650 (embedding.bin + MHA->SHA)
     assert counts["export"] == 3 and counts["verify_onnx"] == 3
-    # llama-tiny builds fp16 only on RK3588 (its registry entry), fp16 on SM8650 by default
-    assert counts["compile"] == 3 and counts["package"] == 3
-    assert "calibrate" not in counts and "tokenizer" not in counts  # tokenizer: none
+    # llama-tiny builds fp16 only on RK3588 (its registry entry); SM8650 fp16 + a16w8
+    assert counts["compile"] == 4 and counts["package"] == 4
+    assert counts["calibrate"] == 1 and "tokenizer" not in counts  # tokenizer: none
 
     exports = shell_commands(output, "export_onnx.py")
     assert all("--cache-len 64" in c and "--mask-value=-64.0" in c for c in exports)
@@ -305,9 +308,9 @@ def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
         target = re.search(r"--target (\S+)", command).group(1)
         uses_sha = any(f"/{key} " in command for key in sha_exports)
         assert uses_sha == (target == "SM8650"), command
-    assert len(compiles) == 3
+    assert len(compiles) == 4
     packages = shell_commands(output, "package_release.py")
-    assert all("--no-tokenizer" in c for c in packages) and len(packages) == 3
+    assert all("--no-tokenizer" in c for c in packages) and len(packages) == 4
 
 
 def test_llama_model_precisions_narrow_the_target(workflow):

@@ -607,6 +607,25 @@ def compile_qnn(
     return manifest
 
 
+def heap_pinned(result: dict) -> bool:
+    """Whether every chunk compiled with the heap settings that make its bytes repeat.
+
+    QAIRT 2.51 writes uninitialised heap bytes into the padding of fp16 constants;
+    two builds are byte-identical only when each chunk process ran with
+    MALLOC_PERTURB_, the glibc tcache off, a fixed PYTHONHASHSEED and address
+    randomisation off (``qnn_job.compile_chunks``; a container that refuses
+    personality() cannot).
+    """
+    settings = [chunk.get("heap") or {} for chunk in result["chunks"]]
+    return bool(settings) and all(
+        h.get("aslr_disabled")
+        and h.get("malloc_perturb")
+        and h.get("tcache_disabled")
+        and h.get("python_hash_seed")
+        for h in settings
+    )
+
+
 def _manifest(
     target_id,
     target_options,
@@ -721,10 +740,7 @@ def _manifest(
             ),
         },
         "toolchain": {"runtime": stamp.get("runtime"), "versions": versions},
-        "reproducible": (
-            "no: QAIRT 2.51's HTP compiler leaves a few 32-64-byte spans of a context differing "
-            "run to run (also in a plain ONNX Runtime call); sha256 identifies this build only"
-        ),
+        "reproducible": heap_pinned(result),
         "qairt": {
             "version": qairt_version,
             "source": "read from the produced context binaries",
@@ -739,6 +755,10 @@ def _manifest(
             "vtcm_mb": spec["vtcm_mb"],
             "range_margin": spec["range_margin"] if precision in QUANTIZED else None,
             "provider_options": result["provider_options"],
+            "generation_options": result.get("generation_options", {}),
+            "heap": [chunk.get("heap") for chunk in result["chunks"]],
+            # hard-linked: the bytes do not depend on where the toolchain venv lives.
+            "site_packages": sorted({c.get("site_packages", "none") for c in result["chunks"]}),
             "graphs": variants,
             "export": {
                 "variant": decode.get("variant"),

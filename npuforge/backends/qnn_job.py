@@ -8,7 +8,8 @@ in the spec (absolute paths), written by ``npuforge.backends.qnn``.
 
 Per graph chunk it
   1. for a16w8/a16w4: quantizes the fp32 graph to a QDQ model with the samples
-     named in the spec, keeping numerically sensitive tensors at 16 bit;
+     named in the spec, keeping numerically sensitive tensors at 16 bit (and
+     single-row products of two activations as 16-bit Mul + ReduceSum);
   2. creates an ONNX Runtime session with the QNN EP in EP-context mode, which
      compiles the graph into a QNN HTP context binary for the spec's SoC and
      writes ``<name>_ctx.onnx`` + ``<name>_ctx_qnn.bin``; a prefill graph of the
@@ -25,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,38 +84,57 @@ def provider_options(spec: dict, htp_library: str) -> dict:
     return options
 
 
-def _load_model_bytes(path: str, session_options) -> bytes:
-    # Loading from bytes keeps the source path out of the EP's partition hash,
-    # which is compiled into the binary: the same graph gives the same binary
-    # wherever the build directory is.
-    session_options.add_session_config_entry(
-        "session.model_external_initializers_file_folder_path", str(Path(path).parent)
-    )
-    return Path(path).read_bytes()
+# Context generation only prepares and serialises the graph: loading it into the
+# x86 HTP simulator in the same session runs threads beside the serialiser that
+# make the uninitialised padding differ run to run (see compile_chunks).
+GENERATION_OPTIONS = {"enable_htp_prepare_only": "1"}
+
+
+def _graph_folder(links: Path, source: Path, ctx_path: Path) -> str:
+    """A fixed relative name for the source's folder (a symlink in ``links``).
+
+    ONNX Runtime hashes the external-initializer folder into the EP partition
+    (QNN graph) name compiled into the binary; from bytes it hashes no model
+    path. Named after the context file, relative to ``links``, it is the same
+    wherever the build (or a16w8's temporary QDQ directory) is, and differs
+    between the graphs that share one context, as their names must.
+    """
+    link = links / ctx_path.stem
+    link.symlink_to(source.parent, target_is_directory=True)
+    return link.name
 
 
 def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) -> None:
     """Compile each (source, ctx_path) in order; with ``share`` they form one context."""
-    for position, (source, ctx_path) in enumerate(graphs):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.add_session_config_entry("ep.context_enable", "1")
-        so.add_session_config_entry("ep.context_file_path", str(ctx_path))
-        so.add_session_config_entry("ep.context_embed_mode", "0")
-        # A graph the HTP cannot take whole must fail here, not run half on the CPU.
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        if share:
-            so.add_session_config_entry("ep.share_ep_contexts", "1")
-            if position == len(graphs) - 1:
-                so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
-        so.add_provider_for_devices(devices, options)
-        model = _load_model_bytes(source, so)
-        started = time.monotonic()
-        ort.InferenceSession(model, so)
-        log(
-            f"context for {Path(source).name} -> {Path(ctx_path).name} "
-            f"in {time.monotonic() - started:.1f} s"
-        )
+    previous = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="qnn-graphs-") as links:
+        for position, (source, ctx_path) in enumerate(graphs):
+            source, ctx_path = Path(os.path.abspath(source)), Path(os.path.abspath(ctx_path))
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.add_session_config_entry("ep.context_enable", "1")
+            so.add_session_config_entry("ep.context_file_path", str(ctx_path))
+            so.add_session_config_entry("ep.context_embed_mode", "0")
+            # A graph the HTP cannot take whole must fail here, not run half on the CPU.
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+            if share:
+                so.add_session_config_entry("ep.share_ep_contexts", "1")
+                if position == len(graphs) - 1:
+                    so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+            so.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path",
+                _graph_folder(Path(links), source, ctx_path),
+            )
+            so.add_provider_for_devices(devices, {**options, **GENERATION_OPTIONS})
+            model = source.read_bytes()
+            started = time.monotonic()
+            os.chdir(links)
+            try:
+                ort.InferenceSession(model, so)
+            finally:
+                os.chdir(previous)
+            seconds = time.monotonic() - started
+            log(f"context for {source.name} -> {ctx_path.name} in {seconds:.1f} s")
 
 
 def simulator_session(ort, devices, options: dict, ctx_path: str):
@@ -197,6 +218,57 @@ def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_overrid
     return overrides, kept_norms
 
 
+def row_matmuls_to_mul_reducesum(model) -> list[str]:
+    """Rewrite ``MatMul(a[..., 1, K], b[..., K, N])`` of two activations in place.
+
+    The HTP computes a MatMul of two 16-bit activations about as if its second
+    input were cut to 8 bits: on the demo RWKV-7 the wkv read-out ``r @ state``
+    agreed with the CPU on the same QDQ graph at cosine 0.993 (8-bit emulation
+    of the state matches the simulator at 0.9994), and the logits fell to 0.990.
+    A single-row product is the same sum as ``ReduceSum(transpose(a) * b, -2)``,
+    which the HTP computes at 16 bit. Returns the rewritten node names.
+    """
+    import numpy as np
+    from onnx import helper, numpy_helper, shape_inference
+
+    inferred = shape_inference.infer_shapes(model)
+    shapes = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    initializers = {init.name for init in model.graph.initializer}
+    nodes, rewritten = [], []
+    for node in model.graph.node:
+        a, b = (list(node.input) + ["", ""])[:2]
+        sa, sb = shapes.get(a), shapes.get(b)
+        if not (
+            node.op_type == "MatMul"
+            and a not in initializers
+            and b not in initializers
+            and sa
+            and sb
+            and len(sa) >= 2
+            and len(sb) >= 2
+            and sa[-2] == 1
+        ):
+            nodes.append(node)
+            continue
+        name = node.name or node.output[0]
+        perm = list(range(len(sa) - 2)) + [len(sa) - 1, len(sa) - 2]
+        axis = f"{name}_reduce_axis"
+        model.graph.initializer.append(numpy_helper.from_array(np.array([-2], np.int64), axis))
+        column, terms = f"{name}_column", f"{name}_terms"
+        nodes += [
+            helper.make_node("Transpose", [a], [column], name=column, perm=perm),
+            helper.make_node("Mul", [column, b], [terms], name=terms),
+            helper.make_node("ReduceSum", [terms, axis], list(node.output), name=f"{name}_sum"),
+        ]
+        rewritten.append(name)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return rewritten
+
+
 def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float, work: Path):
     """Min/max of every activation over the samples, widened by ``margin`` of its span.
 
@@ -264,7 +336,19 @@ def quantize_graph(
         external_data_location=preprocessed.name + ".data",
     )
     model_path = str(preprocessed) if changed else source
+    # Without external data loaded, weights stay references: shapes infer at any size.
     model = onnx.load(model_path, load_external_data=False)
+    row_matmuls = row_matmuls_to_mul_reducesum(model)
+    if row_matmuls:
+        rewritten = work / "rewritten.onnx"
+        onnx.load_external_data_for_model(model, str(Path(model_path).parent))
+        onnx.save(
+            model,
+            str(rewritten),
+            save_as_external_data=True,
+            location=rewritten.name + ".data",
+        )
+        model_path = str(rewritten)
     weight_type = {"a16w8": QuantType.QInt8, "a16w4": QuantType.QInt4}[precision]
     # Weight matrices [in, out] quantized per output column, symmetric: the HTP's
     # per-channel scheme, and what keeps 8- and 4-bit errors near each column's range.
@@ -306,6 +390,8 @@ def quantize_graph(
             k for k, v in overrides.items() if v[0]["quant_type"] == QuantType.QUInt16
         ),
         "norm_parameters_kept_16bit": kept_norms,
+        # Two-activation MatMuls the HTP would run at 16x8 bits, now 16-bit Mul + ReduceSum.
+        "row_matmuls_as_mul_reducesum": row_matmuls,
     }
 
 
@@ -458,34 +544,162 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
         "ctx": ctx,
         "quantization": quantization,
         "simulate_ctx": twins,
+        "heap": heap_settings(),
     }
 
 
-def compile_chunks(spec: dict, spec_path: str) -> dict:
-    """Compile every chunk, each in a fresh process with glibc's MALLOC_PERTURB_ set.
+# Heap settings for the chunk processes (see compile_chunks). tcache_count=0 sends
+# every malloc through the path that applies MALLOC_PERTURB_ (tcache hits skip it
+# and carry a per-process random key).
+MALLOC_PERTURB = "85"
+TCACHE_OFF = "glibc.malloc.tcache_count=0"
+ADDR_NO_RANDOMIZE = 0x0040000
 
-    A second compile in one process picks up heap left by the first, which made
-    small graphs' binaries differ run to run; this removes that. It does not make
-    QAIRT 2.51's HTP compiler itself reproducible: on larger graphs (the demo
-    RWKV-7) a few hundred bytes in 32-64-byte spans differ between runs of the
-    very same plain ONNX Runtime call, with or without this.
+
+def _disable_aslr() -> bool:
+    """Turn off address randomisation for the processes this one starts; True if it took."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
+        libc.personality.argtypes = [ctypes.c_ulong]
+        current = libc.personality(0xFFFFFFFF)
+        return current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1
+    except (OSError, AttributeError):
+        return False
+
+
+def heap_settings() -> dict:
+    """What this process actually runs with, for the manifest's ``reproducible``."""
+    try:
+        personality = int(Path("/proc/self/personality").read_text(), 16)
+    except (OSError, ValueError):
+        personality = 0
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return {
+        "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
+        "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
+        "tcache_disabled": TCACHE_OFF in tunables.split(":"),
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
+    }
+
+
+def _load_job_stage():
+    """npuforge/backends/job_stage.py, loaded by path (this directory is off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("job_stage", _HERE / "job_stage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def chunk_env(environ: dict) -> dict:
+    """Heap settings on top of ``environ`` (other GLIBC_TUNABLES kept)."""
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    tunables = [t for t in tunables if not t.startswith("glibc.malloc.tcache_count=")]
+    return dict(
+        environ,
+        MALLOC_PERTURB_=environ.get("MALLOC_PERTURB_") or MALLOC_PERTURB,
+        GLIBC_TUNABLES=":".join(tunables + [TCACHE_OFF]),
+        # Python's own allocations (set and dict order) must repeat too.
+        PYTHONHASHSEED="0",
+    )
+
+
+def staged_chunk_spec(spec: dict, chunk: dict) -> tuple[dict, dict]:
+    """(spec of one chunk with stage-relative paths, {link name: real directory}).
+
+    Sources are reached as ``in{k}/<file>``, graph k's calibration samples as
+    ``cal{k}/<file>``; the chunk writes into ``out`` and ``work`` in the stage.
+    """
+    links, graphs = {}, []
+    for k, graph in enumerate(chunk["graphs"]):
+        graph = dict(graph)
+        model = Path(graph["model"]).resolve()
+        links[f"in{k}"] = str(model.parent)
+        graph["model"] = f"in{k}/{model.name}"
+        samples = graph.get("calibration")
+        if samples:
+            folders = {str(Path(p).resolve().parent) for sample in samples for p in sample.values()}
+            if len(folders) != 1:
+                raise RuntimeError(
+                    f"error: chunk {chunk['index']}'s samples span {len(folders)} folders"
+                )
+            links[f"cal{k}"] = folders.pop()
+            graph["calibration"] = [
+                {name: f"cal{k}/{Path(path).name}" for name, path in sample.items()}
+                for sample in samples
+            ]
+        graphs.append(graph)
+    staged = {k: v for k, v in spec.items() if k not in ("chunks", "verify")}
+    staged.update(out_dir="out", work_dir="work", chunks=[{**chunk, "graphs": graphs}])
+    return staged, links
+
+
+def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
+    """Compile one chunk in a fresh process from its stage; copy its outputs back."""
+    import shutil
+
+    staged, links = staged_chunk_spec(spec, chunk)
+    stage, python, lock = job_stage.make_stage(
+        "qnn", staged, links, [str(Path(__file__).resolve()), job_stage.__file__]
+    )
+    try:
+        os.mkdir(os.path.join(stage, "out"))
+        os.mkdir(os.path.join(stage, "work"))
+        env = job_stage.fixed_environment(stage, chunk_env({}))
+        command = [python, Path(__file__).name, "spec.json", "--chunk", str(chunk["index"])]
+        run = subprocess.run(command, env=env, cwd=stage)
+        if run.returncode != 0:
+            raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
+        out_dir, work_dir = Path(spec["out_dir"]), Path(spec["work_dir"])
+        for produced in sorted(Path(stage, "out").iterdir()):
+            shutil.copyfile(produced, out_dir / produced.name)
+        result = json.loads(Path(stage, "work", f"chunk{chunk['index']}_result.json").read_text())
+        for variant, twin in sorted(result.get("simulate_ctx", {}).items()):
+            # The simulator-only twins (see compile_chunk) go where verify() reads them.
+            for produced in Path(stage, twin).parent.iterdir():
+                (work_dir / "simulate").mkdir(exist_ok=True)
+                shutil.copyfile(produced, work_dir / "simulate" / produced.name)
+            result["simulate_ctx"][variant] = str(work_dir / "simulate" / Path(twin).name)
+        result["site_packages"] = job_stage.site_packages_mode(stage)
+        return result
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(lock)
+
+
+def compile_chunks(spec: dict, spec_path: str) -> dict:
+    """Compile every chunk, each in a fresh process with fixed heap contents and addresses.
+
+    QAIRT 2.51's HTP compiler leaves the padding half-words of some fp16 constant
+    tensors (HVX vectors with every other 16-bit slot unused) uninitialised, so
+    whatever its heap held there lands in the binary: freed objects' vtable and
+    heap pointers, an earlier tensor's values, tcache keys. The chunk process
+    runs with MALLOC_PERTURB_ (every allocation filled with 0xaa), the glibc
+    tcache off (its hits skip that fill), PYTHONHASHSEED=0 and address
+    randomisation off (the pointers, and the allocation order that depends on
+    them, repeat), and generates contexts prepare-only (GENERATION_OPTIONS): no
+    simulator threads run beside the serialiser. The heap history also follows
+    the lengths of the process's paths and environment, so each chunk runs from
+    a fixed-path stage with a fixed environment (job_stage.py): builds repeat
+    byte for byte wherever the checkout and the toolchain live. Containers whose
+    seccomp profile refuses personality() run with randomisation; the result
+    says so.
     """
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
     work_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MALLOC_PERTURB_=os.environ.get("MALLOC_PERTURB_") or "85")
-    chunks = []
-    for chunk in spec["chunks"]:
-        out = work_dir / f"chunk{chunk['index']}_result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), str(spec_path), "--chunk"]
-        run = subprocess.run(command + [str(chunk["index"])], env=env)
-        if run.returncode != 0:
-            raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
-        chunks.append(json.loads(out.read_text()))
+    _disable_aslr()  # inherited by the chunk processes
+    job_stage = _load_job_stage()
+    chunks = [_compile_staged(spec, chunk, job_stage) for chunk in spec["chunks"]]
     _, _, htp_library = register_qnn()
     options = provider_options(spec, htp_library)
     return {
         "provider_options": {k: v for k, v in options.items() if k != "backend_path"},
+        "generation_options": GENERATION_OPTIONS,
         "chunks": chunks,
     }
 

@@ -81,6 +81,46 @@ def check_precision(target: str, target_options: dict, precision: str) -> None:
         )
 
 
+FLOAT16_KEYS = ("op_types", "except_op_types")
+
+
+def float16_selection(target_options: dict, precision: str) -> dict | None:
+    """What hybrid quantization keeps in float16 for ``precision`` (option ``float16``).
+
+    ``float16: {<precision>: {op_types: [...]}}`` keeps the outputs of those
+    rknn-toolkit2 op types (as its layer table names them: Conv, exNorm, Mul, ...)
+    in float16; ``{except_op_types: [...]}`` keeps everything else in float16.
+    """
+    table = target_options.get("float16")
+    if table is None or precision == "fp16":
+        return None
+    quantized = [p for p in PLATFORM_PRECISIONS[platform_of(target_options)] if p != "fp16"]
+    if not isinstance(table, dict) or not set(table) <= set(quantized):
+        raise NpuforgeError(
+            f"option float16 must map quantized precisions ({', '.join(quantized)}) to "
+            f"{{op_types: [...]}} or {{except_op_types: [...]}}, got {table!r}"
+        )
+    chosen = table.get(precision)
+    if chosen is None:
+        return None
+    if not isinstance(chosen, dict) or len(chosen) != 1 or next(iter(chosen)) not in FLOAT16_KEYS:
+        raise NpuforgeError(
+            f"option float16.{precision} must be {{op_types: [...]}} or "
+            f"{{except_op_types: [...]}}, got {chosen!r}"
+        )
+    key, types = next(iter(chosen.items()))
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
+        raise NpuforgeError(
+            f"option float16.{precision}.{key} must be a non-empty list of rknn-toolkit2 op "
+            f"types (e.g. [Conv]), got {types!r}"
+        )
+    if target_options.get("auto_hybrid"):
+        raise NpuforgeError(
+            "options auto_hybrid and float16 both choose the float16 layers: set only one"
+        )
+    return {key: sorted(set(types))}
+
+
 def plan_chunks(n_params: int, precision: str, memory_budget_gb: float) -> int:
     """Layer chunks so that one chunk's compile fits ``memory_budget_gb``."""
     per_param = COMPILE_BYTES_PER_PARAM.get(precision, max(COMPILE_BYTES_PER_PARAM.values()))
@@ -194,6 +234,9 @@ def build_spec(graph, chunk, paths, target_options, precision, dataset, steps) -
         # below the cosine threshold against float stay in fp16.
         "auto_hybrid": bool(target_options.get("auto_hybrid", False)),
         "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
+        # Hybrid quantization: these op types' outputs (or all but these) stay float16.
+        "float16": float16_selection(target_options, precision),
+        "hybrid_dir": str(paths["hybrid_dir"]),
         "inputs": [
             {k: spec[k] for k in ("name", "shape", "role", "output") if k in spec}
             for spec in graph["inputs"]
@@ -245,6 +288,7 @@ def compile_rknn(
 
     target_options = dict(target_options or {})
     check_precision(target, target_options, precision)
+    float16 = float16_selection(target_options, precision)
     if len(export_dirs) != 1:
         raise NpuforgeError(
             f"the rknn backend compiles one decode export, got {len(export_dirs)}; "
@@ -289,7 +333,8 @@ def compile_rknn(
         staging.mkdir(parents=True)
         work = staging / "work"
         work.mkdir()
-        artifacts, placements, rewrites, aslr_disabled, site_packages = [], [], [], [], set()
+        artifacts, placements, rewrites, aslr_disabled, hybrids = [], [], [], [], []
+        site_packages = set()
         previous_outputs = {}
         logits = None
         for index, graph in enumerate(meta["graphs"]):
@@ -320,6 +365,7 @@ def compile_rknn(
                 "save": save,
                 "build_log": chunk_work / "build.log",
                 "result": chunk_work / "result.json",
+                "hybrid_dir": chunk_work / "hybrid",
             }
             dataset = None
             if quantized:
@@ -336,6 +382,8 @@ def compile_rknn(
                         log.write(paths["build_log"].read_text(errors="replace"))
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
+            if result.get("hybrid"):
+                hybrids.append({"chunk": index, **result["hybrid"]})
             aslr_disabled.append(bool(result.get("aslr_disabled")))
             site_packages.add(result.get("site_packages", "none"))
             for spec_out in graph["outputs"]:
@@ -393,6 +441,8 @@ def compile_rknn(
                 ),
                 "auto_hybrid": bool(target_options.get("auto_hybrid", False)) and quantized,
                 "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
+                # Which tensors stayed float16 and the hash of the toolkit's quantization config.
+                "float16": {"selection": float16, "chunks": hybrids} if float16 else None,
                 "malloc_perturb": int(MALLOC_PERTURB),
                 "aslr_disabled": all(aslr_disabled),
                 # hard-linked: the bytes do not depend on where the toolchain lives.
@@ -415,6 +465,7 @@ def compile_rknn(
             raise NpuforgeError(
                 f"{target} {precision}: simulator logits cosine {figures['cosine']} "
                 f"(nan/inf {figures['nan_inf']}) is below {floor} against onnxruntime fp32 over "
-                f"{steps} steps; try quantized_algorithm mmse, more calibration samples or fp16"
+                f"{steps} steps; try quantized_algorithm kl_divergence, more calibration samples, "
+                "a float16 selection (option float16) or fp16"
             )
     return record

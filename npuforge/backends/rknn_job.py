@@ -10,7 +10,9 @@ The spec (written by npuforge.backends.rknn) holds absolute paths and options:
 ``quantized_algorithm``, ``optimization_level``, ``dataset`` (or null),
 ``inputs``/``outputs`` (graph order: name, shape, role, and ``output`` for a
 state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]},
-save: {output: .npy to write [steps, *shape]}}), ``build_log`` and ``result``.
+save: {output: .npy to write [steps, *shape]}}), ``build_log``, ``result``, and
+``float16`` (null, {op_types: [...]} or {except_op_types: [...]}: hybrid
+quantization, see ``_hybrid_build``) with ``hybrid_dir`` (its scratch directory).
 
 The simulator only works inside the RKNN object that built the model, so the
 build, the export and the recurrent run happen in this one process: state
@@ -23,7 +25,7 @@ padding (about 10-30 bytes early in the file; every other byte is the same).
 address-space randomisation (personality ADDR_NO_RANDOMIZE), one malloc arena,
 one CPU, a fixed PYTHONHASHSEED, one OpenMP thread, and the same path strings,
 environment and argv, since their sizes shift the heap and the stack. So the job
-re-executes once from a staging directory with a fixed path (``_stage``): the
+re-executes once from a staging directory with a fixed path (job_stage.py): the
 interpreter, the inputs and the spec are reached through symlinks and relative
 names there, and the environment is replaced by a fixed one. Container engines'
 default seccomp profiles refuse the personality call unless allowed; the job then
@@ -95,8 +97,6 @@ _DETERMINISTIC_ENV = {
     "MALLOC_ARENA_MAX": "1",
     "PYTHONHASHSEED": "0",
     "OMP_NUM_THREADS": "1",
-    "PATH": "/usr/bin:/bin",
-    "LANG": "C.UTF-8",
 }
 ADDR_NO_RANDOMIZE = 0x0040000
 # Spec keys naming files the build reads or writes; the staged spec reaches them
@@ -104,82 +104,23 @@ ADDR_NO_RANDOMIZE = 0x0040000
 _STAGED_NAMES = {"onnx": "in", "dataset": "cal"}
 
 
-def _staged_python(stage):
-    """A venv at ``stage/py`` with fixed contents: the real interpreter and site-packages.
+def _load_job_stage():
+    """npuforge/backends/job_stage.py, loaded by path (this directory is off sys.path)."""
+    import importlib.util
 
-    Python reads its venv's pyvenv.cfg (which names the venv's path) at start-up, and
-    .pyc files carry the path they were compiled at, so the real venv cannot be used
-    as is. Returns the interpreter path to exec.
-    """
-    import platform
-    import sysconfig
-
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    base = os.path.realpath(sys.executable)
-    system_site = sys.prefix == sys.base_prefix or _system_site_packages()
-    root = os.path.join(stage, "py")
-    os.makedirs(os.path.join(root, "bin"))
-    os.makedirs(os.path.join(root, "lib", version))
-    with open(os.path.join(root, "pyvenv.cfg"), "w", encoding="utf-8") as handle:
-        handle.write(
-            f"home = {os.path.dirname(base)}\n"
-            f"include-system-site-packages = {str(system_site).lower()}\n"
-            f"version = {platform.python_version()}\n"
-        )
-    os.symlink(base, os.path.join(root, "bin", "python"))
-    if sys.prefix != sys.base_prefix:
-        site = os.path.join(root, "lib", version, "site-packages")
-        _link_tree(sysconfig.get_paths()["purelib"], site)
-    return os.path.join(root, "bin", "python")
-
-
-def _link_tree(source, target):
-    """Hard-link ``source`` at ``target`` where one filesystem holds both, else symlink it.
-
-    The dynamic loader resolves the real path of every shared library it loads (for
-    $ORIGIN), so with a symlink the toolchain's real location still reaches the heap.
-    A hard-linked tree gives the staged path itself, at the cost of a second or two.
-    """
-    import shutil
-
-    if os.stat(source).st_dev == os.stat(os.path.dirname(target)).st_dev:
-        try:
-            shutil.copytree(source, target, symlinks=True, copy_function=os.link)
-            return
-        except OSError:
-            shutil.rmtree(target, ignore_errors=True)
-    os.symlink(source, target)
-
-
-def _staged_site_packages():
-    """How this run reached its packages: hard-linked (path-independent), symlinked, or none."""
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site = os.path.join("py", "lib", version, "site-packages")
-    if os.path.islink(site):
-        return "symlinked"
-    return "hard-linked" if os.path.isdir(site) else "none"
-
-
-def _system_site_packages():
-    with open(os.path.join(sys.prefix, "pyvenv.cfg"), encoding="utf-8") as handle:
-        for line in handle:
-            key, _, value = line.partition("=")
-            if key.strip() == "include-system-site-packages":
-                return value.strip().lower() == "true"
-    return False
+    spec = importlib.util.spec_from_file_location("job_stage", os.path.join(_HERE, "job_stage.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _stage(spec_path):
-    """Lay out the fixed-path staging directory; return (stage, interpreter, lock fd).
+    """Lay out the fixed-path stage (job_stage.py); return (stage, interpreter, lock fd).
 
-    Its name depends only on the staged spec (so on the graph and options, not on
-    where the checkout or the toolchain lives). A lock file serialises the rare
-    concurrent job with the same spec; the lock is inherited across exec.
+    The staged spec names inputs by fixed relative paths and leaves out the real
+    outputs, which ``dest.json`` keeps for after the export.
     """
-    import fcntl
-    import hashlib
-    import shutil
-
+    job_stage = _load_job_stage()
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
     links = {}
@@ -190,19 +131,12 @@ def _stage(spec_path):
             links[link] = os.path.dirname(real)
             staged[key] = f"{link}/{os.path.basename(real)}"
     staged.update(rknn="out.rknn", build_log="build.log", result=None, verify=None)
-    spec_bytes = json.dumps(staged, indent=1, sort_keys=True).encode()
-    stage = f"/tmp/npuforge-rknn-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
-    lock = os.open(f"{stage}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    os.set_inheritable(lock, True)
-    shutil.rmtree(stage, ignore_errors=True)
-    os.mkdir(stage, 0o700)
-    for link, target in links.items():
-        os.symlink(target, os.path.join(stage, link))
-    python = _staged_python(stage)
-    shutil.copyfile(os.path.abspath(__file__), os.path.join(stage, "job.py"))
-    with open(os.path.join(stage, "spec.json"), "wb") as handle:
-        handle.write(spec_bytes)
+    if spec.get("hybrid_dir"):
+        staged["hybrid_dir"] = "hybrid"  # scratch: nothing outside the job reads it
+    stage, python, lock = job_stage.make_stage(
+        "rknn", staged, links, [os.path.abspath(__file__), job_stage.__file__]
+    )
+    os.rename(os.path.join(stage, os.path.basename(__file__)), os.path.join(stage, "job.py"))
     with open(os.path.join(stage, "dest.json"), "w", encoding="utf-8") as handle:
         json.dump(spec, handle)
     return stage, python, lock
@@ -212,16 +146,9 @@ def _deterministic_reexec():
     """Re-execute this script once from the staging directory (see module doc)."""
     if os.environ.get(_PINNED):
         return
-    stage, python, _ = _stage(sys.argv[1])  # the lock stays held across exec
-    env = {
-        **_DETERMINISTIC_ENV,
-        "HOME": stage,
-        # Compile every module afresh: cached .pyc files carry the paths they were
-        # compiled at, and a warm cache would allocate differently from a cold one.
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONPYCACHEPREFIX": os.path.join(stage, "no-pycache"),
-        _PINNED: "aslr-on",
-    }
+    stage, python, lock = _stage(sys.argv[1])
+    os.set_inheritable(lock, True)  # held across exec, released when the job ends
+    env = _load_job_stage().fixed_environment(stage, {**_DETERMINISTIC_ENV, _PINNED: "aslr-on"})
     try:
         import ctypes
 
@@ -264,6 +191,76 @@ def _destinations(spec):
     return spec
 
 
+def _hybrid_build(rknn, spec, keep):
+    """Quantize with the outputs of some op types kept in float16 (hybrid quantization).
+
+    hybrid_quantization_step1 writes <stem>.model (an ONNX ModelProto of the
+    toolkit's own graph), <stem>.data and <stem>.quantization.cfg into the working
+    directory; the cfg's ``custom_quantize_layers`` gets every output tensor of the
+    chosen op types (``op_types``) or of all others (``except_op_types``) as
+    ``float16``, and step2 builds from the three files.
+    """
+    import hashlib
+
+    from rknn.api import RKNN
+
+    # Absolute before the chdir: a staged spec holds paths relative to the stage.
+    work, dataset = os.path.abspath(spec["hybrid_dir"]), os.path.abspath(spec["dataset"])
+    os.makedirs(work, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        _check(rknn.hybrid_quantization_step1(dataset=dataset), "hybrid_quantization_step1")
+        rknn.release()
+        stem = os.path.join(work, os.path.splitext(os.path.basename(spec["onnx"]))[0])
+        with open(stem + ".quantization.cfg", encoding="utf-8") as handle:
+            text = handle.read()
+        names, total = _float16_tensors(stem + ".model", keep)
+        text = _with_float16_layers(text, names)
+        with open(stem + ".quantization.cfg", "w", encoding="utf-8") as handle:
+            handle.write(text)
+        rknn = RKNN(verbose=True)
+        _check(
+            rknn.hybrid_quantization_step2(
+                model_input=stem + ".model",
+                data_input=stem + ".data",
+                model_quantization_cfg=stem + ".quantization.cfg",
+            ),
+            "hybrid_quantization_step2",
+        )
+    finally:
+        os.chdir(cwd)
+    record = {
+        "float16_tensors": len(names),
+        "tensors": total,
+        "config_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    }
+    return rknn, record
+
+
+def _float16_tensors(model_path, keep):
+    """(output tensors of the chosen ops in graph order, all op output tensors)."""
+    import onnx  # a dependency of rknn-toolkit2
+
+    graph = onnx.load(model_path, load_external_data=False).graph
+    wanted, unwanted = set(keep.get("op_types", ())), set(keep.get("except_op_types", ()))
+    names, total = [], 0
+    for node in graph.node:
+        total += len(node.output)
+        if (node.op_type in wanted) if wanted else (node.op_type not in unwanted):
+            names.extend(node.output)
+    return names, total
+
+
+def _with_float16_layers(text, names):
+    """The .quantization.cfg text with ``custom_quantize_layers`` set to ``names``."""
+    head, found, rest = text.partition("\nquantize_parameters:")
+    if not found or not head.startswith("custom_quantize_layers:"):
+        raise RuntimeError("unexpected .quantization.cfg layout from hybrid_quantization_step1")
+    lines = ["custom_quantize_layers:"] + [f"    {name}: float16" for name in names]
+    return "\n".join(lines) + found + rest
+
+
 def main(spec_path):
     import shutil
 
@@ -293,10 +290,15 @@ def main(spec_path):
             config["auto_hybrid_cos_thresh"] = float(spec["auto_hybrid_cos_thresh"])
         _check(rknn.config(**config), "config")
         _check(rknn.load_onnx(model=spec["onnx"]), "load_onnx")
-        _check(
-            rknn.build(do_quantization=quantize, dataset=spec["dataset"], auto_hybrid=hybrid),
-            "build",
-        )
+        keep = spec.get("float16") if quantize else None
+        if keep:
+            rknn, hybrid_record = _hybrid_build(rknn, spec, keep)
+        else:
+            _check(
+                rknn.build(do_quantization=quantize, dataset=spec["dataset"], auto_hybrid=hybrid),
+                "build",
+            )
+            hybrid_record = None
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         timings["compile_s"] = round(time.monotonic() - start, 2)
         # The real paths are read only now: nothing before the export saw them.
@@ -348,7 +350,8 @@ def main(spec_path):
         "placement": placement,
         "timings": timings,
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
-        "site_packages": _staged_site_packages(),
+        "site_packages": _load_job_stage().site_packages_mode(),
+        "hybrid": hybrid_record,
     }
     with open(dest["result"], "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2, sort_keys=True)

@@ -1,0 +1,121 @@
+"""Run a toolchain job from a fixed-path stage (standard library only).
+
+Used inside the toolchain environments by rknn_job.py and qnn_job.py, which load
+it by path. rknn-toolkit2 and QAIRT's HTP compiler copy uninitialised memory
+(struct padding, unused halves of fp16 vectors) into their binaries. What that
+memory holds follows the process's heap history, which shifts with the length
+of every path and environment string the process handles: the checkout, the
+inputs, the toolchain venv (the dynamic loader resolves the real path of every
+shared library for $ORIGIN) and the caller's environment. A job therefore runs
+its compile in a fresh process from ``/tmp/npuforge-<kind>-<hash>``, whose name
+depends only on the staged spec:
+
+* inputs are reached through symlinks with fixed names (``links``);
+* ``py/`` is a venv of fixed content: a pyvenv.cfg naming the base interpreter,
+  ``bin/python`` linking to it, and site-packages hard-linked from the real venv
+  when one filesystem holds both (else a symlink, and the venv's location still
+  shows: ``site_packages_mode`` tells which);
+* the environment is replaced by a fixed one, and modules are compiled afresh
+  (cached .pyc files carry the paths they were compiled at).
+"""
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+
+STAGE_ROOT = "/tmp"
+
+
+def _system_site_packages() -> bool:
+    if sys.prefix == sys.base_prefix:
+        return True
+    with open(os.path.join(sys.prefix, "pyvenv.cfg"), encoding="utf-8") as handle:
+        for line in handle:
+            key, _, value = line.partition("=")
+            if key.strip() == "include-system-site-packages":
+                return value.strip().lower() == "true"
+    return False
+
+
+def _link_tree(source: str, target: str) -> None:
+    """Hard-link ``source`` at ``target`` where one filesystem holds both, else symlink it."""
+    if os.stat(source).st_dev == os.stat(os.path.dirname(target)).st_dev:
+        try:
+            shutil.copytree(source, target, symlinks=True, copy_function=os.link)
+            return
+        except OSError:
+            shutil.rmtree(target, ignore_errors=True)
+    os.symlink(source, target)
+
+
+def _python_dir() -> str:
+    return f"python{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def staged_python(stage: str) -> str:
+    """Lay out ``stage/py`` (see module doc); return the interpreter path to exec."""
+    base = os.path.realpath(sys.executable)
+    root = os.path.join(stage, "py")
+    os.makedirs(os.path.join(root, "bin"))
+    os.makedirs(os.path.join(root, "lib", _python_dir()))
+    with open(os.path.join(root, "pyvenv.cfg"), "w", encoding="utf-8") as handle:
+        handle.write(
+            f"home = {os.path.dirname(base)}\n"
+            f"include-system-site-packages = {str(_system_site_packages()).lower()}\n"
+            f"version = {platform.python_version()}\n"
+        )
+    os.symlink(base, os.path.join(root, "bin", "python"))
+    if sys.prefix != sys.base_prefix:
+        site = os.path.join(root, "lib", _python_dir(), "site-packages")
+        _link_tree(sysconfig.get_paths()["purelib"], site)
+    return os.path.join(root, "bin", "python")
+
+
+def site_packages_mode(stage: str = ".") -> str:
+    """How a staged run reaches its packages: hard-linked, symlinked, or none."""
+    site = os.path.join(stage, "py", "lib", _python_dir(), "site-packages")
+    if os.path.islink(site):
+        return "symlinked"
+    return "hard-linked" if os.path.isdir(site) else "none"
+
+
+def make_stage(kind: str, staged_spec: dict, links: dict, scripts: list):
+    """Create the stage for ``staged_spec``; return (stage, interpreter, lock fd).
+
+    ``links`` maps names in the stage to real paths; ``scripts`` are copied in by
+    base name. The lock file serialises the rare concurrent job with the same
+    staged spec; close the returned fd (or exec with it inherited) to release it.
+    """
+    import fcntl
+
+    spec_bytes = json.dumps(staged_spec, indent=1, sort_keys=True).encode()
+    stage = f"{STAGE_ROOT}/npuforge-{kind}-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
+    lock = os.open(f"{stage}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    shutil.rmtree(stage, ignore_errors=True)
+    os.mkdir(stage, 0o700)
+    for name, target in links.items():
+        os.symlink(target, os.path.join(stage, name))
+    python = staged_python(stage)
+    for script in scripts:
+        shutil.copyfile(script, os.path.join(stage, os.path.basename(script)))
+    with open(os.path.join(stage, "spec.json"), "wb") as handle:
+        handle.write(spec_bytes)
+    return stage, python, lock
+
+
+def fixed_environment(stage: str, extra: dict) -> dict:
+    """The whole environment of a staged process: nothing of the caller's leaks in."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": stage,
+        # A warm .pyc cache would allocate differently from a cold one.
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPYCACHEPREFIX": os.path.join(stage, "no-pycache"),
+        **extra,
+    }
