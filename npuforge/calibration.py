@@ -8,9 +8,12 @@ every graph chunk captured at sampled steps of real runs of the fp32 export
 (``npuforge.runtime.GraphChain``) over the project's calibration text.
 
 Sample ``j``: a start offset drawn (seeded) from the tokenized text, a run of
-``1 + capture_step_j`` decode calls from zero state, and the feeds of every
-chunk at the last call. ``capture_step_j`` is drawn in ``[steps // 4, steps)``,
-so the states have seen at least a quarter of the run. Graphs with host-fed
+``1 + capture_step_j`` calls from zero state (a decode export reads one token
+per call, a prefill export ``T``; states and positions carry from call to
+call), and the feeds of every chunk at the last call. ``capture_step_j`` is
+drawn in ``[steps // 4, steps)``, so the states have seen at least a quarter of
+the run. Graphs with a KV cache (``cache_len``) must hold every call of the
+run: ``steps * T`` tokens at most. Graphs with host-fed
 position inputs (roles beyond tokens/embedding/hidden/state, e.g. a KV cache's
 mask and RoPE rows) draw it in ``[0, steps)``: their activations depend on the
 absolute position, and the first positions (attention over one or two slots)
@@ -184,12 +187,19 @@ RUNNER_ROLES = ("tokens", "embedding", "hidden", "state")
 
 
 def plan_samples(
-    doc_tokens, samples: int, steps: int, seed: int, zero_state: bool, first_step=None
+    doc_tokens,
+    samples: int,
+    steps: int,
+    seed: int,
+    zero_state: bool,
+    first_step=None,
+    tokens_per_call: int = 1,
 ) -> list:
     """Seeded ``[(document, start, capture_step)]`` for each sample.
 
     ``capture_step`` is drawn in ``[first_step, steps)``; ``first_step`` defaults
-    to ``steps // 4``.
+    to ``steps // 4``. ``start`` leaves room for the run's ``(capture_step + 1) *
+    tokens_per_call`` tokens where the document is long enough.
     """
     import numpy as np
 
@@ -204,25 +214,41 @@ def plan_samples(
         doc = int(usable[rng.integers(len(usable))])
         capture = 0 if zero_state else int(rng.integers(first_step, steps))
         length = len(doc_tokens[doc])
-        start = int(rng.integers(max(1, length - capture)))
+        start = int(rng.integers(max(1, length - (capture + 1) * tokens_per_call + 1)))
         plan.append((doc, start, capture))
     return plan
 
 
+def check_calls_fit(meta: dict, calls: int, export_dir) -> None:
+    """A KV-cache export (``cache_len``) must hold every token of a ``calls``-call run."""
+    cache_len = meta.get("cache_len")
+    per_call = int(meta["tokens_per_call"])
+    if cache_len is not None and calls * per_call > int(cache_len):
+        raise NpuforgeError(
+            f"{calls} calibration calls of {per_call} tokens ({calls * per_call}) overrun the "
+            f"KV cache of {export_dir} (cache_len {cache_len}): lower --steps (calibration "
+            f"steps) to {int(cache_len) // per_call} or less"
+        )
+
+
 def _feeds_of_run(chain, tokens, capture_step):
-    """Run ``tokens[:capture_step + 1]`` from zero state; the chunk feeds at the last call."""
+    """Run ``capture_step + 1`` calls over ``tokens`` from zero state; the chunk feeds at
+    the last call. A short document repeats, as it would wrap in a decode run."""
     import numpy as np
 
+    per_call = chain.tokens_per_call
+    ids = np.resize(np.asarray(tokens, dtype=np.int64), (capture_step + 1) * per_call)
     captured = {}
 
     def capture(index, feeds):
-        if chain.position == capture_step:
+        # The chain's position is the first token of the running call.
+        if chain.position == capture_step * per_call:
             captured[index] = {k: np.array(v, copy=True) for k, v in feeds.items()}
 
     chain.capture = capture
     chain.reset()
-    for step in range(capture_step + 1):
-        chain.step(np.asarray([[tokens[step % len(tokens)]]], dtype=np.int64))
+    for call in range(capture_step + 1):
+        chain.step(ids[call * per_call : (call + 1) * per_call].reshape(1, per_call))
     chain.capture = None
     return captured
 
@@ -267,11 +293,13 @@ def make_calibration_samples(
         raise NpuforgeError("--samples and --steps must be at least 1")
     chain = GraphChain(export_dir)
     meta = chain.meta
-    if chain.batch != 1 or chain.tokens_per_call != 1:
+    if chain.batch != 1:
         raise NpuforgeError(
-            f"calibration runs a decode export (batch 1, 1 token per call); {export_dir} has "
-            f"batch {chain.batch}, {chain.tokens_per_call} tokens per call"
+            f"calibration runs batch-1 exports; {export_dir} has batch {chain.batch}: "
+            "calibrate a --batch 1 export of the same model"
         )
+    per_call = chain.tokens_per_call
+    check_calls_fit(meta, 1 if zero_state else steps, export_dir)
     documents = read_documents(text)
     tokenizer, tokenizer_info = tokenizer_for(meta, checkpoint)
     doc_tokens = tokenize_documents(documents, meta["vocab_size"], tokenizer)
@@ -279,7 +307,7 @@ def make_calibration_samples(
         spec["role"] not in RUNNER_ROLES for graph in meta["graphs"] for spec in graph["inputs"]
     )
     first_step = 0 if positional else None
-    plan = plan_samples(doc_tokens, samples, steps, seed, zero_state, first_step)
+    plan = plan_samples(doc_tokens, samples, steps, seed, zero_state, first_step, per_call)
 
     graphs = meta["graphs"]
     captured = []
@@ -342,8 +370,17 @@ def make_calibration_samples(
                 "tokens": int(sum(len(t) for t in doc_tokens)),
                 "tokenizer": tokenizer_info,
             },
+            "variant": meta.get("variant", "decode"),
+            "tokens_per_call": per_call,
+            # position: the first token of the captured call (capture_step * tokens_per_call).
             "runs": [
-                {"document": documents[d][0], "start": s, "capture_step": c} for d, s, c in plan
+                {
+                    "document": documents[d][0],
+                    "start": s,
+                    "capture_step": c,
+                    "position": c * per_call,
+                }
+                for d, s, c in plan
             ],
             "export": {"graphs": [{"file": g["file"], "sha256": g.get("sha256")} for g in graphs]},
             # Held-out text for backends' recurrent verification runs (never calibrated on).
@@ -363,3 +400,42 @@ def read_calibration(calibration_dir) -> dict:
             f"{calibration_dir}: no calibration.json; run make_calibration_samples.py first"
         )
     return read_json(path)
+
+
+def calibrations_by_variant(calibration_dirs) -> dict:
+    """``{variant: directory}`` of a compile step's ``--calibration`` directories.
+
+    ``calibration_dirs``: None, one directory or a list (one per calibrated export).
+    Each calibration.json names the variant of the export it was captured from; one
+    without ``variant`` predates prefill samples and holds decode samples.
+    """
+    if not calibration_dirs:
+        return {}
+    if isinstance(calibration_dirs, str | Path):
+        calibration_dirs = [calibration_dirs]
+    by_variant = {}
+    for directory in calibration_dirs:
+        variant = read_calibration(directory).get("variant", "decode")
+        if variant in by_variant:
+            raise NpuforgeError(
+                f"two {variant} calibration directories given ({by_variant[variant]}, "
+                f"{directory}): pass one --calibration per export"
+            )
+        by_variant[variant] = Path(directory)
+    return by_variant
+
+
+def check_calibration_matches(calibration_dir, export_meta: dict, export_dir) -> None:
+    """Refuse samples captured from other graphs than the export being compiled."""
+    recorded = read_calibration(calibration_dir).get("export", {}).get("graphs")
+    if recorded is None:
+        return
+    mine = [g.get("sha256") for g in export_meta["graphs"]]
+    theirs = [g.get("sha256") for g in recorded]
+    if None in mine or None in theirs:
+        return
+    if mine != theirs:
+        raise NpuforgeError(
+            f"calibration {calibration_dir} was captured from other graphs than {export_dir}: "
+            f"rerun make_calibration_samples.py --export {export_dir}"
+        )

@@ -23,7 +23,12 @@ def compile_argument_parser(description: str, precisions=None):
     parser.add_argument(
         "--export", action="append", required=True, help="export directory; repeatable"
     )
-    parser.add_argument("--calibration", help="calibration directory (quantized precisions)")
+    parser.add_argument(
+        "--calibration",
+        action="append",
+        help="calibration directory of one --export (quantized precisions); repeatable, "
+        "paired with the exports by the variant its calibration.json records",
+    )
     parser.add_argument("--target", required=True, help="target id from targets.yaml")
     parser.add_argument(
         "--target-options", default="{}", help="the target's options from targets.yaml as JSON"

@@ -230,6 +230,20 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
                     f"model {build.model}: {name} ({steps}) exceeds its context_length "
                     f"({model['context_length']}), the graphs' KV cache; lower it"
                 )
+        spec = targets[build.target]["precisions"].get(build.precision) or {}
+        if not spec.get("calibrate"):
+            continue
+        # A calibration run makes calibration.steps calls of each export's tokens per call.
+        steps = int((config.get("calibration") or {}).get("steps", 0))
+        for options in export_variants(model, targets[build.target]):
+            tokens = steps * options["tokens"]
+            if tokens > int(model["context_length"]):
+                raise NpuforgeError(
+                    f"model {build.model}: calibration.steps ({steps}) calls of the "
+                    f"{options['variant']} graphs ({options['tokens']} tokens each) overrun its "
+                    f"context_length ({model['context_length']}), the graphs' KV cache; lower "
+                    f"calibration.steps to {int(model['context_length']) // options['tokens']}"
+                )
 
 
 def make_plan(config: dict, models: dict, targets: dict) -> Plan:

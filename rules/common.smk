@@ -148,9 +148,13 @@ def calibration_text_files():
     return sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
 
 
-def calibration_dir(model, target):
-    # Calibration follows the target's first (decode) export.
-    return f"{RESULTS}/calibration/{model}/{PLAN.export_keys(model, target)[0]}"
+def calibration_dir(model, key):
+    return f"{RESULTS}/calibration/{model}/{key}"
+
+
+def target_calibration_dirs(model, target):
+    # One per export (decode first, then prefill): each graph variant gets samples of its own runs.
+    return [calibration_dir(model, key) for key in PLAN.export_keys(model, target)]
 
 
 def toolchain_options(backend):
@@ -186,7 +190,9 @@ def compile_inputs(wildcards):
     backend = TARGETS[wildcards.target]["backend"]
     inputs = {"exports": target_export_dirs(wildcards.model, wildcards.target)}
     if PLAN.needs_calibration(wildcards.target, wildcards.precision):
-        inputs["calibration"] = calibration_dir(wildcards.model, wildcards.target)
+        inputs["calibration"] = target_calibration_dirs(
+            wildcards.model, wildcards.target
+        )
     if backend == REFERENCE_BACKEND:
         # The reference target checks its graphs against the checkpoint itself.
         inputs["checkpoint"] = checkpoint_path(wildcards.model)
@@ -198,7 +204,7 @@ def compile_inputs(wildcards):
 def compile_optional_args(wildcards, input):
     args = []
     if "calibration" in input.keys():
-        args.append(f"--calibration {input.calibration}")
+        args += [f"--calibration {d}" for d in input.calibration]
     if "toolchain" in input.keys():
         args.append(f"--toolchain {input.toolchain}")
     if "checkpoint" in input.keys():

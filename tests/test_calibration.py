@@ -188,3 +188,155 @@ def test_llama_texts_use_the_checkpoint_tokenizer_or_labelled_bytes(tmp_path):
     )  # fmt: skip
     assert record["text"]["tokenizer"]["kind"] == "hf" and record["text"]["tokens"] == 8
     assert set(record["tokens"]) <= set(words.values())
+
+
+# --------------------------------------------------------------------------- prefill exports
+
+
+@pytest.fixture(scope="module")
+def rwkv_prefill(tmp_path_factory):
+    """The same tiny RWKV-7 as ``small_export``, exported as a 4-token prefill graph."""
+    from npuforge.export import export_checkpoint
+    from npuforge.synthetic import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("prefill")
+    ckpt = root / "tiny.pth"
+    write_synthetic_checkpoint(
+        ckpt, version=7, layers=2, embed=64, vocab=1024, head_size=32, seed=0
+    )
+    export_checkpoint(
+        ckpt, root / "export", variant="prefill", tokens=4, chunks=2, dtype="fp32",
+        ext_embedding=True,
+    )  # fmt: skip
+    return root / "export"
+
+
+def replay(export_dir, record, run):
+    """A real run of the sample's text up to its captured call: (chain, the call's token ids)."""
+    from npuforge.calibration import read_documents, tokenize_documents, tokenizer_for
+    from npuforge.runtime import GraphChain
+
+    chain = GraphChain(export_dir)
+    docs = read_documents()
+    tokenizer, _ = tokenizer_for(chain.meta)
+    tokens = tokenize_documents(docs, chain.meta["vocab_size"], tokenizer)
+    ids = tokens[[name for name, _ in docs].index(run["document"])][run["start"] :]
+    per_call = record["tokens_per_call"]
+    ids = np.resize(ids, (run["capture_step"] + 1) * per_call).reshape(-1, per_call)
+    chain.reset()
+    for call in ids[:-1]:
+        chain.step(call[None])
+    assert chain.position == run["position"]
+    return chain, ids[-1]
+
+
+def test_rwkv_prefill_samples_carry_the_states_of_multi_call_runs(rwkv_prefill, tmp_path):
+    from npuforge.calibration import make_calibration_samples
+    from npuforge.export import read_embedding_bin
+
+    record = make_calibration_samples(rwkv_prefill, tmp_path / "a", samples=3, steps=8, seed=5)
+    make_calibration_samples(rwkv_prefill, tmp_path / "b", samples=3, steps=8, seed=5)
+    assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")
+    assert record["variant"] == "prefill" and record["tokens_per_call"] == 4
+    meta = json.loads((rwkv_prefill / "export.json").read_text())
+    embedding = read_embedding_bin(rwkv_prefill / "embedding.bin")
+    for j, run in enumerate(record["runs"]):
+        # A quarter of the run at least: 2..7 calls of 4 tokens already read.
+        assert 2 <= run["capture_step"] < 8 and run["position"] == 4 * run["capture_step"]
+        chain, call_ids = replay(rwkv_prefill, record, run)
+        for index, graph in enumerate(meta["graphs"]):
+            chunk = record["chunks"][index]
+            assert chunk["inputs"] == [
+                {k: s[k] for k in ("name", "shape", "dtype", "role")} for s in graph["inputs"]
+            ]
+            with np.load(tmp_path / "a" / chunk["tpumlir"]["npz"][j]) as npz:
+                for k, spec in enumerate(graph["inputs"]):
+                    value = np.load(
+                        tmp_path / "a" / "rknn" / f"chunk{index}" / f"sample{j}_{k}.npy"
+                    )
+                    assert list(value.shape) == spec["shape"] and value.dtype == spec["dtype"]
+                    np.testing.assert_array_equal(npz[spec["name"]], value)
+                    if spec["role"] == "state":
+                        np.testing.assert_array_equal(value, chain.state[spec["name"]])
+                        assert np.abs(value).max() > 0
+                    elif spec["role"] == "embedding":
+                        np.testing.assert_array_equal(value, embedding[call_ids][None])
+                    else:
+                        assert spec["role"] == "hidden" and value.shape[1] == 4
+
+
+@pytest.fixture(scope="module")
+def llama_prefill(tmp_path_factory):
+    from npuforge.models import llama
+
+    root = tmp_path_factory.mktemp("llama")
+    dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=300, intermediate=48, seed=1)
+    llama.write_synthetic_checkpoint(root / "ckpt", **dims)
+    llama.export_llama(
+        root / "ckpt", root / "export", variant="prefill", tokens=4, cache_len=16, chunks=2
+    )
+    return root / "export"
+
+
+def test_llama_prefill_samples_stay_in_the_cache_at_real_positions(llama_prefill, tmp_path):
+    from npuforge.calibration import make_calibration_samples
+    from npuforge.models import llama
+
+    record = make_calibration_samples(llama_prefill, tmp_path / "a", samples=6, steps=4, seed=0)
+    make_calibration_samples(llama_prefill, tmp_path / "b", samples=6, steps=4, seed=0)
+    assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")
+    meta = json.loads((llama_prefill / "export.json").read_text())
+    assert record["variant"] == "prefill" and record["tokens_per_call"] == 4
+    positions = [run["position"] for run in record["runs"]]
+    # Position-dependent graphs are captured from the first call on, and never past the cache.
+    assert min(positions) == 0 and max(positions) > 0
+    assert all(p + 4 <= meta["cache_len"] for p in positions)
+    for j, run in enumerate(record["runs"]):
+        chain, call_ids = replay(llama_prefill, record, run)
+        for index, graph in enumerate(meta["graphs"]):
+            for k, spec in enumerate(graph["inputs"]):
+                raw = tmp_path / "a" / "qnn" / f"chunk{index}" / f"sample{j}_{k}.raw"
+                value = np.fromfile(raw, dtype=spec["dtype"]).reshape(spec["shape"])
+                if spec["role"] == "state":
+                    np.testing.assert_array_equal(value, chain.state[spec["name"]])
+                    # The cache holds the earlier calls' keys/values, nothing beyond them.
+                    filled = np.abs(value).max(axis=(0, 1, 3)) > 0
+                    assert filled.tolist() == [s < run["position"] for s in range(16)]
+                elif spec["role"] == "tokens":
+                    np.testing.assert_array_equal(value, call_ids[None])
+                elif spec["role"] != "hidden":
+                    expected = llama.extra_inputs(meta, spec, run["position"])
+                    np.testing.assert_array_equal(value, expected)
+
+
+def test_steps_that_overrun_the_cache_stop_in_one_line(llama_prefill, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_cli(
+        capsys, "--export", llama_prefill, "--out-dir", out, "--samples", 1, "--steps", 5
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "cache_len 16" in err and "--steps" in err and "4 or less" in err
+    assert not out.exists()
+
+
+def test_calibrations_pair_with_exports_by_variant(export_dir, rwkv_prefill, tmp_path):
+    from npuforge.calibration import (
+        calibrations_by_variant,
+        check_calibration_matches,
+        make_calibration_samples,
+    )
+    from npuforge.errors import NpuforgeError
+
+    make_calibration_samples(export_dir, tmp_path / "d", samples=1, steps=4, seed=0)
+    make_calibration_samples(rwkv_prefill, tmp_path / "p", samples=1, steps=4, seed=0)
+    paired = calibrations_by_variant([tmp_path / "p", tmp_path / "d"])
+    assert paired == {"decode": tmp_path / "d", "prefill": tmp_path / "p"}
+    assert calibrations_by_variant(str(tmp_path / "d")) == {"decode": tmp_path / "d"}
+    assert calibrations_by_variant(None) == {}
+    with pytest.raises(NpuforgeError, match="two prefill calibration directories"):
+        calibrations_by_variant([tmp_path / "p", tmp_path / "p"])
+    meta = json.loads((export_dir / "export.json").read_text())
+    check_calibration_matches(tmp_path / "d", meta, export_dir)
+    prefill_meta = json.loads((rwkv_prefill / "export.json").read_text())
+    with pytest.raises(NpuforgeError, match="other graphs"):
+        check_calibration_matches(tmp_path / "d", prefill_meta, rwkv_prefill)

@@ -251,3 +251,20 @@ def test_llama_verification_runs_must_fit_the_cache():
         selection(model="llama-tiny", target="onnx", verify={"tokens": 48}), short, TARGETS
     )
     assert [b.precision for b in plan.builds] == ["fp32"]
+
+
+def test_llama_calibration_runs_must_fit_the_cache():
+    # llama-tiny's cache holds 64 tokens: 32 calls of a 4-token prefill graph do not fit.
+    sm8650 = dict(TARGETS["SM8650"])
+    sm8650["export"] = dict(sm8650["export"], variants=["decode", "prefill"], prefill_tokens=4)
+    targets = dict(TARGETS, SM8650=sm8650)
+    chosen = selection(model="llama-tiny", target="SM8650", precision="a16w8")
+    with pytest.raises(NpuforgeError, match=r"lower calibration.steps to 16") as refused:
+        make_plan(chosen, MODELS, targets)
+    assert "prefill graphs (4 tokens each)" in str(refused.value)
+    plan = make_plan(
+        dict(chosen, calibration=dict(CONFIG["calibration"], steps=16)), MODELS, targets
+    )
+    assert len(plan.export_keys("llama-tiny", "SM8650")) == 2
+    # Float precisions make no calibration run, so nothing to fit.
+    make_plan(selection(model="llama-tiny", target="SM8650", precision="fp16"), MODELS, targets)

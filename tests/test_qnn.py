@@ -223,20 +223,44 @@ def test_spec_roles_and_ctx_names(tmp_path):
     ]
     with pytest.raises(NpuforgeError, match="raise verify_steps"):
         qnn.verification_schedule(decode, prefill, 4)
-    with pytest.raises(NpuforgeError, match="prefill calibration"):
-        qnn.build_spec(
-            decode,
-            prefill,
-            tmp_path,
-            SM8650,
-            "a16w8",
-            tmp_path / "o",
-            tmp_path / "w",
-            0,
-            [],
-        )
     with pytest.raises(NpuforgeError, match="no decode export"):
         qnn.split_exports([prefill_dir])
+
+
+def test_spec_quantizes_each_variant_with_its_own_samples(tmp_path):
+    from npuforge.calibration import calibrations_by_variant, make_calibration_samples
+
+    exports = {
+        "decode": qnn_fixtures.make_export(tmp_path / "decode", chunks=2),
+        "prefill": qnn_fixtures.make_export(
+            tmp_path / "prefill", chunks=2, variant="prefill", tokens=4
+        ),
+    }
+    for variant, export in exports.items():
+        make_calibration_samples(export, tmp_path / f"cal-{variant}", samples=3, steps=8, seed=0)
+    decode, prefill = qnn.split_exports([exports["decode"], exports["prefill"]])
+    args = (SM8650, "a16w8", tmp_path / "o", tmp_path / "w", 0, [])
+    only_decode = calibrations_by_variant([tmp_path / "cal-decode"])
+    with pytest.raises(NpuforgeError, match="needs prefill calibration samples") as refused:
+        qnn.build_spec(decode, prefill, only_decode, *args)
+    assert "\n" not in str(refused.value) and str(exports["prefill"]) in str(refused.value)
+    # Without a prefill export the decode samples are all a quantized build needs.
+    assert qnn.build_spec(decode, None, only_decode, *args)["chunks"][1]["graphs"][0]["calibration"]
+
+    paired = calibrations_by_variant([tmp_path / "cal-prefill", tmp_path / "cal-decode"])
+    spec = qnn.build_spec(decode, prefill, paired, *args)
+    for chunk in spec["chunks"]:
+        assert [g["variant"] for g in chunk["graphs"]] == ["decode", "prefill"]
+        for graph in chunk["graphs"]:
+            folder = tmp_path / f"cal-{graph['variant']}" / "qnn" / f"chunk{chunk['index']}"
+            assert len(graph["calibration"]) == 3
+            for sample in graph["calibration"]:
+                assert sorted(sample) == sorted(i["name"] for i in graph["inputs"])
+                for item in graph["inputs"]:
+                    path = Path(sample[item["name"]])
+                    assert path.parent == folder.resolve()
+                    # Raw float32 of the graph's own shape: [1, 4, 64] for prefill inputs.
+                    assert path.stat().st_size == 4 * int(np.prod(item["shape"]))
 
 
 def test_cli_refuses_fp16_on_v68_before_any_job(tmp_path):
@@ -413,6 +437,35 @@ def test_a16w8_qdq_compile_is_smaller_and_verified(sm8650_fp16, qnn_stamp, works
     fp16_bytes = sum(a["bytes"] for a in sm8650_fp16[1]["artifacts"] if a["role"] == "binary")
     q_bytes = sum(a["bytes"] for a in manifest["artifacts"] if a["role"] == "binary")
     assert q_bytes < fp16_bytes
+
+
+@pytest.mark.toolchain
+def test_a16w8_decode_and_prefill_calibrated_by_their_own_runs(qnn_stamp, workspace):
+    from npuforge.calibration import make_calibration_samples
+
+    root = workspace["root"]
+    prefill = qnn_fixtures.make_export(
+        root / "prefill-a16w8", chunks=2, variant="prefill", tokens=4
+    )
+    calibrations = []
+    for name, export in (("decode", workspace["export"]), ("prefill", prefill)):
+        calibrations.append(root / f"calibration-{name}")
+        make_calibration_samples(export, calibrations[-1], samples=16, steps=16, seed=0)
+    out = root / "SM8650-a16w8-prefill"
+    manifest = qnn.compile_qnn(
+        [workspace["export"], prefill], calibrations, "SM8650", SM8650, "a16w8", qnn_stamp, out
+    )
+    figures = manifest["verification"]
+    assert figures["passed"] and figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
+    assert figures["calls"] == {"decode": 28, "prefill": 1}
+    assert sorted(manifest["options"]["calibration"]) == ["decode", "prefill"]
+    assert manifest["options"]["calibration"]["prefill"]["tokens_per_call"] == 4
+    for chunk in manifest["options"]["chunks"]:
+        assert chunk["weight_sharing"]["one_context"]
+        for variant in ("decode", "prefill"):
+            quantization = chunk["quantization"][variant]
+            assert quantization["samples"] == 16 and quantization["weight_type"] == "int8"
+    assert (out / "chunk1_prefill_ctx.onnx").is_file()
 
 
 @pytest.mark.toolchain

@@ -294,6 +294,39 @@ def test_int8_without_matching_samples_is_refused(exports, tmp_path):
         )
 
 
+def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_path):
+    """One calibration directory per export (the workflow passes both): the prefill graph
+    is calibrated on prefill samples (states carried over real multi-call runs)."""
+    from npuforge.calibration import make_calibration_samples
+
+    calibrations = []
+    for variant in ("decode", "prefill"):
+        calibrations.append(tmp_path / f"cal-{variant}")
+        make_calibration_samples(exports / variant, calibrations[-1], samples=2, steps=4, seed=0)
+    with pytest.raises(NpuforgeError, match="make_calibration_samples.py --export") as refused:
+        tpumlir.build_spec(
+            [exports / "decode", exports / "prefill"], tmp_path / "o", tmp_path / "w0",
+            "BM1684X", _options("bm1684x"), "int8", calibration_dir=calibrations[:1],
+        )  # fmt: skip
+    assert "prefill graph" in str(refused.value) and "\n" not in str(refused.value)
+    spec = tpumlir.build_spec(
+        [exports / "prefill", exports / "decode"], tmp_path / "o", tmp_path / "w",
+        "BM1684X", _options("bm1684x"), "int8", calibration_dir=calibrations,
+    )  # fmt: skip
+    for variant, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
+        step = next(s for s in spec["steps"] if s["name"] == f"{variant}:run_calibration")
+        listed = (tmp_path / "w" / variant / "calibration_list.txt").read_text().split()
+        assert step["argv"][step["argv"].index("--input_num") + 1] == "2"
+        assert listed == [
+            str(tmp_path / f"cal-{variant}" / "tpumlir" / "chunk0" / f"sample{j}.npz")
+            for j in range(2)
+        ]
+        for path in listed:
+            with np.load(path) as data:
+                assert data["tokens"].shape == (1, tokens)
+                assert np.abs(data["state_0_wkv"]).max() > 0
+
+
 def test_exports_must_be_one_decode_and_one_prefill(exports):
     with pytest.raises(NpuforgeError, match="two decode exports"):
         tpumlir.order_exports([exports / "decode", exports / "decode"])

@@ -108,6 +108,32 @@ def test_vendor_targets_share_exports_and_calibration(workflow):
     assert counts["calibrate"] == 1 and counts["compile"] == 2
 
 
+def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    options = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())["SM8650"]["options"]
+    reason = unavailable_reason("qnn", "native", options)
+    if reason:
+        pytest.skip(f"qnn toolchain check refuses here: {reason}")
+    overlay = {"SM8650": {"export": {"variants": ["decode", "prefill"], "prefill_tokens": 4}}}
+    extra = write_extra(workflow, {"targets": overlay})
+    result = snakemake(
+        workflow, "--dry-run", "--printshellcmds", "--configfile", extra,
+        "--config", "target=SM8650", "precision=a16w8", check=True,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    counts = job_counts(output)
+    assert counts["export"] == 2 and counts["calibrate"] == 2 and counts["compile"] == 1
+    calibrated = re.findall(r"make_calibration_samples\.py --export (\S+)", output)
+    compile_cmd = next(line for line in output.splitlines() if "compile_qnn.py" in line)
+    exports = re.findall(r"--export (\S+)", compile_cmd)
+    calibrations = re.findall(r"--calibration (\S+)", compile_cmd)
+    # One calibration per export, in the exports' order (decode, then prefill).
+    assert [Path(e).name.split("-")[0] for e in exports] == ["decode", "prefill"]
+    assert sorted(calibrated) == sorted(exports)
+    assert [c.replace("/calibration/", "/export/") for c in calibrations] == exports
+
+
 BAD_SELECTIONS = [
     (["model=rwkv9"], "unknown model 'rwkv9'; valid models: rwkv7-demo, rwkv7-tiny"),
     (["target=SM9999"], "unknown target 'SM9999'; valid targets: onnx, SM8650, SM8550"),

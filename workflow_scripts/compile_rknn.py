@@ -3,6 +3,7 @@
 import sys
 
 from npuforge.backends.rknn import PRECISIONS, compile_rknn
+from npuforge.calibration import calibrations_by_variant
 from npuforge.cli import compile_argument_parser, run_cli, target_options
 
 
@@ -10,7 +11,7 @@ def main(argv=None):
     args = compile_argument_parser(__doc__, PRECISIONS).parse_args(argv)
     compile_rknn(
         args.export,
-        args.calibration,
+        calibrations_by_variant(args.calibration).get("decode"),
         args.target,
         target_options(args),
         args.precision,

@@ -11,10 +11,17 @@ from npuforge.cli import run_cli  # noqa: E402
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--export", required=True, type=Path, help="export directory (fp32 decode)")
+    parser.add_argument(
+        "--export", required=True, type=Path, help="export directory (fp32, decode or prefill)"
+    )
     parser.add_argument("--out-dir", required=True, type=Path)
     parser.add_argument("--samples", type=int, default=8, help="input sets per chunk")
-    parser.add_argument("--steps", type=int, default=32, help="decode calls per run (at most)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=32,
+        help="graph calls per run (at most; a prefill call reads T tokens)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--text", type=Path, help=".txt file or directory (default: data/calibration/text)"

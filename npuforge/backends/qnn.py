@@ -384,7 +384,7 @@ def keep_16bit_tensors(graph: dict) -> list[str]:
 def build_spec(
     decode,
     prefill,
-    calibration_dir,
+    calibrations,
     target_options,
     precision,
     out_dir,
@@ -392,12 +392,21 @@ def build_spec(
     verify_steps: int,
     calls,
 ) -> dict:
-    if prefill and precision in QUANTIZED:
-        raise NpuforgeError(
-            f"{precision} with a prefill export needs prefill calibration samples, "
-            "which the calibration stage does not make yet: build the quantized "
-            "precision from the decode export only"
-        )
+    """The job spec; ``calibrations``: ``{variant: calibration directory}`` (quantized only)."""
+    exports = {"decode": decode, "prefill": prefill}
+    if precision in QUANTIZED:
+        from npuforge.calibration import check_calibration_matches
+
+        for variant, export in exports.items():
+            if not export:
+                continue
+            if variant not in (calibrations or {}):
+                raise NpuforgeError(
+                    f"{precision} with a {variant} export needs {variant} calibration samples: "
+                    f"pass --calibration DIR made by make_calibration_samples.py --export "
+                    f"{export['dir']}"
+                )
+            check_calibration_matches(calibrations[variant], export, export["dir"])
     chunks = []
     for index, graph in enumerate(decode["graphs"]):
         variants = [("decode", decode, graph)]
@@ -415,7 +424,8 @@ def build_spec(
             if ranges:
                 entry["input_ranges"] = ranges
             if precision in QUANTIZED:
-                entry["calibration"] = calibration_samples(calibration_dir, index)
+                # Each graph is quantized with the samples of its own variant's runs.
+                entry["calibration"] = calibration_samples(calibrations[variant], index)
             graphs.append(entry)
         chunks.append(
             {"index": index, "graphs": graphs, "keep_16bit_tensors": keep_16bit_tensors(graph)}
@@ -434,7 +444,6 @@ def build_spec(
         "chunks": chunks,
     }
     if verify_steps > 0:
-        exports = {"decode": decode, "prefill": prefill}
         spec["verify"] = {
             "steps": verify_steps,
             # Per call: which graph variant runs and the file holding its host-fed inputs.
@@ -508,7 +517,7 @@ def _default_job_runner(stamp_path, spec_path, read_only, writable, log_path):
 
 def compile_qnn(
     export_dirs,
-    calibration_dir,
+    calibration_dirs,
     target_id,
     target_options,
     precision,
@@ -518,10 +527,17 @@ def compile_qnn(
     job_runner=None,
     log_path=None,
 ) -> dict:
-    """Compile every chunk for one SoC and precision; write binaries + compile.json into out_dir."""
+    """Compile every chunk for one SoC and precision; write binaries + compile.json into out_dir.
+
+    ``calibration_dirs``: None, one directory or a list, one per export (paired by the
+    variant each calibration.json records).
+    """
+    from npuforge.calibration import calibrations_by_variant
 
     target_options = dict(target_options or {})
     check_target(target_id, target_options, precision)
+    calibrations = calibrations_by_variant(calibration_dirs)
+    calibration_dir = calibrations.get("decode")
     chosen = route(target_options)
     if chosen == "sdk":
         from npuforge.backends import qnn_sdk
@@ -535,7 +551,7 @@ def compile_qnn(
             out_dir,
             log_path=log_path,
         )
-    if precision in QUANTIZED and not calibration_dir:
+    if precision in QUANTIZED and not calibrations:
         raise NpuforgeError(f"{precision} needs calibration samples: pass --calibration DIR")
     if not toolchain_stamp:
         raise NpuforgeError(
@@ -557,7 +573,7 @@ def compile_qnn(
             spec = build_spec(
                 decode,
                 prefill,
-                calibration_dir,
+                calibrations,
                 target_options,
                 precision,
                 staging,
@@ -568,8 +584,7 @@ def compile_qnn(
             spec_path = work_dir / "spec.json"
             write_json(spec_path, spec)
             read_only = [decode["dir"]] + ([prefill["dir"]] if prefill else [])
-            if calibration_dir:
-                read_only.append(Path(calibration_dir).resolve())
+            read_only += [Path(d).resolve() for d in calibrations.values()]
             runner = job_runner or _default_job_runner
             runner(toolchain_stamp, spec_path, read_only, [staging.resolve(), work_dir], log_path)
             result = read_json(work_dir / "result.json")
@@ -584,6 +599,7 @@ def compile_qnn(
                 result,
                 staging,
                 reference,
+                calibrations if precision in QUANTIZED else {},
             )
             write_json(staging / "compile.json", manifest)
     finally:
@@ -621,8 +637,11 @@ def _manifest(
     result,
     staging,
     reference,
+    calibrations,
 ) -> dict:
     import numpy as np
+
+    from npuforge.calibration import read_calibration
 
     variants = ["decode"] + (["prefill"] if prefill else [])
     artifacts, chunk_notes, qairt = [], [], set()
@@ -747,5 +766,16 @@ def _manifest(
                 "options": decode.get("options", {}),
             },
             "chunks": chunk_notes,
+            # Which samples quantized each variant's graphs (calibration.json's sha256).
+            "calibration": {
+                variant: {
+                    "samples": read_calibration(directory).get("samples"),
+                    "tokens_per_call": read_calibration(directory).get("tokens_per_call", 1),
+                    "sha256": sha256_file(Path(directory) / "calibration.json"),
+                }
+                for variant, directory in sorted(calibrations.items())
+                if variant in variants
+            }
+            or None,
         },
     }

@@ -408,18 +408,27 @@ def make_test_input(export_dir, inputs, path, *, states=None, seed=0) -> dict:
     return {k: {"shape": list(v.shape), "dtype": v.dtype.name} for k, v in arrays.items()}
 
 
-def calibration_samples(calibration_dir, inputs) -> list[str]:
-    """The .npz samples under <calibration>/tpumlir/ whose keys and shapes fit this graph.
+def _as_dirs(calibration_dirs) -> list[Path]:
+    if not calibration_dirs:
+        return []
+    if isinstance(calibration_dirs, str | Path):
+        return [Path(calibration_dirs)]
+    return [Path(d) for d in calibration_dirs]
 
-    Layout (docs/interfaces.md): one .npz per sample, keys = input names. Samples of
-    another graph (e.g. decode samples when compiling prefill) are left out by shape.
+
+def calibration_samples(calibration_dirs, inputs) -> list[str]:
+    """The .npz samples under each <calibration>/tpumlir/ whose keys and shapes fit this graph.
+
+    Layout (docs/interfaces.md): one .npz per sample, keys = input names. The compile
+    step gets one calibration directory per export; samples of another graph (decode
+    samples when compiling prefill: other token count) are left out by shape.
     """
     import numpy as np
 
-    root = Path(calibration_dir) / "tpumlir"
     wanted = {spec["name"]: tuple(spec["shape"]) for spec in inputs}
+    found = [s for d in _as_dirs(calibration_dirs) for s in sorted((d / "tpumlir").rglob("*.npz"))]
     chosen = []
-    for sample in sorted(root.rglob("*.npz")):
+    for sample in found:
         with np.load(sample) as data:
             shapes = {key: tuple(data[key].shape) for key in data.files}
         if shapes == wanted:
@@ -489,9 +498,11 @@ def build_spec(
         if precision in CALIBRATED:
             samples = calibration_samples(calibration_dir, inputs)
             if not samples:
+                where = ", ".join(f"{d}/tpumlir/" for d in _as_dirs(calibration_dir))
                 raise NpuforgeError(
-                    f"no calibration sample in {calibration_dir}/tpumlir/ fits the {variant} "
-                    f"graph (inputs {[s['name'] for s in inputs]}): make samples for this export"
+                    f"no calibration sample in {where} fits the {variant} graph (inputs "
+                    f"{[s['name'] for s in inputs]}): pass --calibration with samples made by "
+                    f"make_calibration_samples.py --export {export_dir}"
                 )
             data_list = gdir / "calibration_list.txt"
             data_list.write_text("".join(f"{s}\n" for s in samples), encoding="utf-8")
@@ -702,8 +713,7 @@ def compile_bmodel(
         spec_path = work / "spec.json"
         write_json(spec_path, spec)
         read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
-        if calibration:
-            read_only.append(str(Path(calibration).resolve()))
+        read_only += [str(d.resolve()) for d in _as_dirs(calibration)]
         try:
             toolchain.run_job(
                 stamp_path,
