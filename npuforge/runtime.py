@@ -95,7 +95,6 @@ class GraphChain:
             from npuforge.export import read_embedding_bin
 
             self.embedding = read_embedding_bin(self.dir / self.meta["embedding"]["file"])
-        self._family = None
         self._np = np
         self.reset()
 
@@ -106,11 +105,6 @@ class GraphChain:
     @property
     def batch(self) -> int:
         return int(self.meta["batch"])
-
-    def family_module(self):
-        if self._family is None:
-            self._family = importlib.import_module(f"npuforge.models.{self.meta['family']}")
-        return self._family
 
     def reset(self, batch=None):
         """Zero every recurrent state and the position counter."""
