@@ -83,19 +83,45 @@ def site_packages_mode(stage: str = ".") -> str:
     return "hard-linked" if os.path.isdir(site) else "none"
 
 
+def _lock(path: str) -> int:
+    """Hold an exclusive lock on ``path``, retrying if its holder removed it meanwhile."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def remove_stage(stage: str) -> None:
+    """Delete a stage and its lock file; only the lock's holder may call this.
+
+    The lock file goes first, while still locked: a waiter then finds its file
+    unlinked and locks a fresh one, so no two jobs share a stage.
+    """
+    try:
+        os.unlink(f"{stage}.lock")
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(stage, ignore_errors=True)
+
+
 def make_stage(kind: str, staged_spec: dict, links: dict, scripts: list):
     """Create the stage for ``staged_spec``; return (stage, interpreter, lock fd).
 
     ``links`` maps names in the stage to real paths; ``scripts`` are copied in by
     base name. The lock file serialises the rare concurrent job with the same
-    staged spec; close the returned fd (or exec with it inherited) to release it.
+    staged spec; ``remove_stage`` (called by the holder, or by a process that
+    inherited the fd across exec) deletes both and so releases it.
     """
-    import fcntl
-
     spec_bytes = json.dumps(staged_spec, indent=1, sort_keys=True).encode()
     stage = f"{STAGE_ROOT}/npuforge-{kind}-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
-    lock = os.open(f"{stage}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = _lock(f"{stage}.lock")
     shutil.rmtree(stage, ignore_errors=True)
     os.mkdir(stage, 0o700)
     for name, target in links.items():

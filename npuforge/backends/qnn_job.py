@@ -667,7 +667,7 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
         result["site_packages"] = job_stage.site_packages_mode(stage)
         return result
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        job_stage.remove_stage(stage)
         os.close(lock)
 
 

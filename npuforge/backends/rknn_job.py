@@ -366,6 +366,5 @@ if __name__ == "__main__":
         sys.exit(1)
     finally:
         if os.path.isfile("dest.json"):
-            import shutil
-
-            shutil.rmtree(os.getcwd(), ignore_errors=True)
+            # The lock fd came across exec and is still held until exit.
+            _load_job_stage().remove_stage(os.getcwd())
