@@ -101,7 +101,7 @@ def test_verification_figures():
     assert qnn.verification_figures(ref, broken)["nan_inf"] == 1
 
 
-def test_calibration_listing_and_embedding_rows(tmp_path):
+def test_calibration_listing(tmp_path):
     chunk = tmp_path / "qnn" / "chunk1"
     chunk.mkdir(parents=True)
     (chunk / "input_list.txt").write_text(
@@ -112,10 +112,6 @@ def test_calibration_listing_and_embedding_rows(tmp_path):
     assert len(samples) == 2
     with pytest.raises(NpuforgeError, match="make_calibration_samples"):
         qnn.calibration_samples(tmp_path, 0)
-    table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    qnn_fixtures.write_embedding(tmp_path / "embedding.bin", table)
-    rows = qnn.read_embedding_rows(tmp_path / "embedding.bin", [2, 0, 6])
-    np.testing.assert_array_equal(rows, table[[2, 0, 2]])
 
 
 def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):

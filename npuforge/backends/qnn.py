@@ -234,16 +234,6 @@ def calibration_samples(calibration_dir, chunk: int) -> list[dict]:
     return samples
 
 
-def read_embedding_rows(path, ids):
-    """Rows of an ``embedding.bin`` (npuforge.export's layout) as float32."""
-    import numpy as np
-
-    from npuforge.export import read_embedding_bin
-
-    table = read_embedding_bin(path)
-    return np.asarray(table[np.asarray(ids, dtype=np.int64) % table.shape[0]], dtype=np.float32)
-
-
 def verification_tokens(vocab_size: int, steps: int, calibration_dir=None) -> list[int]:
     """The project's held-out text as token ids: the recurrent check's input.
 
