@@ -36,7 +36,15 @@ JOB_SCRIPT = Path(__file__).with_name("tpumlir_job.py")
 QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "int8": "INT8"}
 CALIBRATED = frozenset({"int8"})
 PROCESSORS = ("bm1684x", "bm1688")
-DEFAULT_TOLERANCE = "0.99,0.90"
+# model_deploy.py's own --tolerance defaults per --quantize (tpu_mlir 1.30.2,
+# ModelDeploy.__init__): "cos,euclid" floors for every tensor it compares.
+DEFAULT_TOLERANCE = {
+    "f16": "0.99,0.90",
+    "bf16": "0.99,0.90",
+    "int8": "0.90,0.80",
+    "w8f16": "0.90,0.80",
+    "w4f16": "0.90,0.80",
+}
 # Group size of W4F16 weights (TPU-MLIR's default for --q_group_size in LLM scripts).
 DEFAULT_Q_GROUP_SIZE = 64
 # Decode steps run on onnxruntime to give the test input realistic (non-zero) states.
@@ -184,6 +192,30 @@ def quantize_mode(precision: str) -> str:
             f"precision '{precision}' has no TPU-MLIR quantize mode: use one of "
             f"{', '.join(QUANTIZE)}"
         ) from None
+
+
+def tolerance(target_options, precision: str) -> str:
+    """model_deploy.py --tolerance for ``precision``.
+
+    Option ``tolerance``: one "cos,euclid" string for every precision, or a mapping
+    precision -> string; a precision it leaves out gets TPU-MLIR's own default.
+    """
+    quantize_mode(precision)
+    given = (target_options or {}).get("tolerance")
+    if isinstance(given, dict):
+        given = given.get(precision)
+    value = str(given if given is not None else DEFAULT_TOLERANCE[precision])
+    parts = value.split(",")
+    try:
+        floors = [float(p) for p in parts]
+    except ValueError:
+        floors = []
+    if len(floors) != 2 or not all(0 < f <= 1 for f in floors):
+        raise NpuforgeError(
+            f"TPU-MLIR tolerance '{value}' for {precision} is not 'cos,euclid' with both in "
+            '(0, 1]: fix options.tolerance in targets.yaml (e.g. "0.99,0.90")'
+        )
+    return value
 
 
 def check_precision(target: str, precision: str, supported) -> None:
@@ -458,7 +490,7 @@ def build_spec(
     """
     chip = processor(target_options)
     quantize = quantize_mode(precision)
-    tolerance = str(target_options.get("tolerance", DEFAULT_TOLERANCE))
+    tolerance_arg = tolerance(target_options, precision)
     work_dir = Path(work_dir).resolve()
     out_dir = Path(out_dir).resolve()
     ordered = order_exports(exports)
@@ -529,7 +561,7 @@ def build_spec(
                     chip,
                     test_input,
                     top_outputs,
-                    tolerance,
+                    tolerance_arg,
                     bmodel,
                     calibration_table=table,
                     q_group_size=target_options.get("q_group_size"),
@@ -565,7 +597,7 @@ def build_spec(
         "precision": precision,
         "processor": chip,
         "quantize": quantize,
-        "tolerance": tolerance,
+        "tolerance": tolerance_arg,
         "threads": int(threads),
         "work_dir": str(work_dir),
         "out_dir": str(out_dir),
