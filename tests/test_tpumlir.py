@@ -530,6 +530,89 @@ def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["stamp.json"]
 
 
+# ---------------------------------------------------------------- recurrent verification
+
+
+def test_verification_plan_runs_prefill_then_decode_on_held_out_text(exports, tmp_path):
+    """One prefill call of T held-out tokens, then decode calls carrying its states; the
+    reference is the same run on onnxruntime. RWKV's prefill of T tokens equals T decode
+    steps, so the reference must equal a decode-only run over the same tokens."""
+    from npuforge.runtime import GraphChain
+
+    ordered = tpumlir.order_exports([exports / "decode", exports / "prefill"])
+    plan, reference = tpumlir.verification_plan(ordered, 5, tmp_path / "v")
+    ids = tpumlir.verification_tokens(PREFILL_TOKENS + 5, 1024)
+    assert [c["net"] for c in plan["calls"]] == ["prefill"] + ["decode"] * 5
+    assert [c["position"] for c in plan["calls"]] == [0] + list(range(8, 13))
+    fed = [np.load(c["feeds"])["tokens"].ravel().tolist() for c in plan["calls"]]
+    assert sum(fed, []) == ids
+    # Host-fed inputs only: the job carries the states itself.
+    assert all(list(np.load(c["feeds"]).files) == ["tokens"] for c in plan["calls"])
+    assert plan["nets"]["prefill"]["logits"] == plan["nets"]["decode"]["logits"]
+    assert reference.shape == (PREFILL_TOKENS + 5, 1024)
+    chain = GraphChain(exports / "decode")
+    decoded = np.concatenate([chain.step([[t]]).reshape(1, -1) for t in ids])
+    assert np.abs(reference - decoded).max() <= 1e-4 * np.abs(decoded).max()
+    # Without a prefill net: decode calls only.
+    plan, reference = tpumlir.verification_plan(
+        tpumlir.order_exports([exports / "decode"]), 3, tmp_path / "d"
+    )
+    assert [c["net"] for c in plan["calls"]] == ["decode"] * 3 and reference.shape[0] == 3
+
+
+def _fake_toolchain(exports, tmp_path, monkeypatch, perturb):
+    """compile_bmodel with run_job replaced: the "job" writes a bmodel, its result and the
+    simulator logits, which are the reference logits through ``perturb``."""
+    from npuforge import toolchain
+
+    def run_job(stamp_path, job_script, spec_path, **_):
+        spec = json.loads(Path(spec_path).read_text())
+        Path(spec["bmodel"]).write_bytes(_bmodel_bytes(b"Sun Nov 22 04:13:18 2026"))
+        Path(spec["result"]).write_text(json.dumps({"versions": {}, "steps": []}))
+        (Path(spec["work_dir"]) / "logs").mkdir(exist_ok=True)
+        reference = np.load(spec["verify"]["reference"])
+        np.save(spec["verify"]["outputs"], perturb(reference))
+
+    monkeypatch.setattr(toolchain, "run_job", run_job)
+    stamp = tmp_path / "stamp.json"
+    stamp.write_text(json.dumps({"backend": "tpumlir", "runtime": "native", "python": "py"}))
+    return dict(
+        exports=[exports / "decode", exports / "prefill"],
+        target="BM1684X",
+        target_options={**_options("bm1684x"), "verify_steps": 4},
+        precision="f16",
+        stamp_path=stamp,
+        out_dir=tmp_path / "out",
+    )
+
+
+def test_simulator_logits_are_recorded(exports, tmp_path, monkeypatch):
+    args = _fake_toolchain(exports, tmp_path, monkeypatch, lambda ref: ref.copy())
+    figures = tpumlir.compile_bmodel(**args)["verification"]
+    assert figures["cosine"] == 1.0 and figures["top1_agreement"] == 1.0
+    assert figures["steps"] == 4 and figures["rows"] == PREFILL_TOKENS + 4
+    assert figures["calls"] == {"prefill": 1, "decode": 4}
+    assert figures["min_cosine"] == tpumlir.MIN_COSINE["f16"] and figures["passed"] is True
+    assert figures["prefill"]["rows"] == PREFILL_TOKENS and figures["decode"]["rows"] == 4
+    written = json.loads((tmp_path / "out" / "compile.json").read_text())
+    assert written["verification"] == json.loads(json.dumps(figures))
+
+
+def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path, monkeypatch):
+    def drift(ref):
+        # One decode step far off: cosine well below the fp16 floor on that token only.
+        out = ref.copy()
+        out[-1] = np.roll(out[-1], 1)
+        return out
+
+    args = _fake_toolchain(exports, tmp_path, monkeypatch, drift)
+    with pytest.raises(NpuforgeError, match="below 0.9999 against onnxruntime") as failed:
+        tpumlir.compile_bmodel(**args)
+    assert "\n" not in str(failed.value)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stamp.json"]
+
+
 def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
     state = tmp_path / "chat.pth"
     state.write_bytes(b"state")
@@ -563,9 +646,9 @@ def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
         ("chat.pth", "state"),
     ]
     assert record["artifacts"][0]["nets"] == ["decode", "prefill"]
-    assert record["verification"]["cosine"] == 0.995
-    assert record["verification"]["passed"] is True
-    assert set(record["verification"]["similarity"]) == {
+    assert record["verification"]["tpumlir"]["cosine"] == 0.995
+    assert record["verification"]["tpumlir"]["passed"] is True
+    assert set(record["verification"]["tpumlir"]["similarity"]) == {
         "decode:model_deploy",
         "prefill:model_deploy",
     }
@@ -717,10 +800,23 @@ def test_demo_model_compiles_for_bm1684x_f16(exports, tmp_path, monkeypatch):
     assert bmodel.stat().st_size > 0
     assert record["artifacts"][0]["nets"] == ["decode", "prefill"]
     assert record["toolchain"]["versions"]["tpu_mlir"]
-    assert record["verification"]["passed"] is True
-    assert record["verification"]["cosine"] >= 0.99
+    # The combined bmodel on the cmodel over a recurrent run of held-out text (one prefill
+    # call, then verify_steps decode calls) against onnxruntime fp32, gated at fp16's floor.
+    figures = record["verification"]
+    assert figures["passed"] is True and figures["nan_inf"] == 0
+    assert figures["steps"] == 32 and figures["calls"] == {"prefill": 1, "decode": 32}
+    assert figures["rows"] == PREFILL_TOKENS + 32
+    assert figures["min_cosine"] == tpumlir.MIN_COSINE["f16"]
+    assert figures["cosine"] >= figures["min_cosine"]
+    assert figures["decode"]["cosine"] >= figures["min_cosine"]
+    assert figures["prefill"]["cosine"] >= figures["min_cosine"]
+    assert [
+        s["name"] for s in json.loads((tmp_path / "out/logs/job_result.json").read_text())["steps"]
+    ][-1] == "verify:cmodel"
+    assert record["verification"]["tpumlir"]["passed"] is True
+    assert record["verification"]["tpumlir"]["cosine"] >= 0.99
     # Every TPU-MLIR check ran and printed figures: ONNX vs top, top vs tpu, tpu vs bmodel.
-    similarity = record["verification"]["similarity"]
+    similarity = record["verification"]["tpumlir"]["similarity"]
     for net in ("decode", "prefill"):
         assert len(similarity[f"{net}:model_transform"]) == 1
         assert len(similarity[f"{net}:model_deploy"]) == 2

@@ -45,6 +45,10 @@ DEFAULT_TOLERANCE = {
     "w8f16": "0.90,0.80",
     "w4f16": "0.90,0.80",
 }
+# Lowest acceptable logits cosine (worst token), cmodel simulator vs onnxruntime fp32,
+# over the recurrent verification run; option min_cosine overrides it.
+MIN_COSINE = {"f16": 0.9999, "bf16": 0.999, "int8": 0.999, "w8f16": 0.999, "w4f16": 0.99}
+DEFAULT_VERIFY_STEPS = 32
 # Group size of W4F16 weights (TPU-MLIR's default for --q_group_size in LLM scripts).
 DEFAULT_Q_GROUP_SIZE = 64
 # Decode steps run on onnxruntime to give the test input realistic (non-zero) states.
@@ -468,6 +472,121 @@ def calibration_samples(calibration_dirs, inputs) -> list[str]:
     return chosen
 
 
+# ---------------------------------------------------------------- recurrent verification
+
+
+def verification_tokens(count: int, vocab_size: int, calibration_dirs=None) -> list[int]:
+    """``count`` held-out token ids: calibration.json's ``tokens`` when they suffice
+    (tokenized with the model's tokenizer), else the held-out text tokenized here."""
+    from npuforge.calibration import heldout_tokens
+    from npuforge.fileio import read_json
+
+    for directory in _as_dirs(calibration_dirs):
+        meta = directory / "calibration.json"
+        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
+        if len(recorded) >= count:
+            return [int(t) for t in recorded[:count]]
+    return [int(t) for t in heldout_tokens(count, vocab_size)]
+
+
+def verification_calls(ordered: dict, steps: int) -> list[tuple]:
+    """The recurrent run as (net, first position, token count): one prefill call (when
+    there is a prefill net), then ``steps`` decode calls carrying its states."""
+    calls = []
+    position = 0
+    if "prefill" in ordered:
+        tokens = int(load_export(ordered["prefill"])["tokens_per_call"])
+        calls.append(("prefill", 0, tokens))
+        position = tokens
+    calls += [("decode", position + i, 1) for i in range(steps)]
+    return calls
+
+
+def verification_plan(ordered: dict, steps: int, work_dir, calibration_dirs=None):
+    """The job's ``verify`` section and the reference logits (rows = tokens).
+
+    Host-fed inputs of every call come from ``npuforge.runtime.host_feeds`` (one .npz
+    per call); the reference is ``GraphChain`` (onnxruntime CPU) on the fp32 exports,
+    the prefill chain's states handed to the decode chain, computed here and not from
+    the job's feeds, so a wrongly fed input fails the check.
+    """
+    import numpy as np
+
+    from npuforge.runtime import GraphChain, host_feeds
+
+    calls = verification_calls(ordered, steps)
+    count = calls[-1][1] + calls[-1][2]
+    exports = {net: load_export(path) for net, path in ordered.items()}
+    ids = np.asarray(verification_tokens(count, exports["decode"]["vocab_size"], calibration_dirs))
+    chains = {net: GraphChain(path) for net, path in ordered.items()}
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    planned, rows, previous = [], [], None
+    for number, (net, position, length) in enumerate(calls):
+        graph = exports[net]["graphs"][0]
+        call_ids = ids[position : position + length].reshape(1, length)
+        path = work_dir / f"verify_call{number:04d}.npz"
+        np.savez(path, **host_feeds(exports[net], graph, call_ids, position))
+        planned.append({"net": net, "position": position, "feeds": str(path.resolve())})
+        chain = chains[net]
+        if previous is not None and chain is not previous:
+            chain.state = {k: previous.state[k].astype(v.dtype) for k, v in chain.state.items()}
+            chain.position = previous.position
+        logits = chain.step(call_ids)
+        rows.append(logits.reshape(-1, logits.shape[-1]))
+        previous = chain
+    nets = {}
+    for net, export in exports.items():
+        graph = export["graphs"][0]
+        logits = [o["name"] for o in graph["outputs"] if o.get("role") == "logits"]
+        if len(logits) != 1:
+            raise NpuforgeError(
+                f"{ordered[net]}: the {net} graph has {len(logits)} logits outputs, the "
+                "verification needs one: re-export the graphs with this npuforge"
+            )
+        nets[net] = {
+            "inputs": [
+                {k: spec[k] for k in ("name", "shape", "role", "output") if k in spec}
+                for spec in graph["inputs"]
+            ],
+            "outputs": [{"name": o["name"], "role": o.get("role")} for o in graph["outputs"]],
+            "logits": logits[0],
+        }
+    plan = {
+        "steps": steps,
+        "calls": planned,
+        "nets": nets,
+        "outputs": str((work_dir / "verify_logits.npy").resolve()),
+    }
+    return plan, np.concatenate(rows)
+
+
+def verification_figures(reference, compiled) -> dict:
+    """Logits agreement per token: cosine (worst, mean), max |diff| / max |ref|, top-1."""
+    import numpy as np
+
+    ref = np.asarray(reference, dtype=np.float64)
+    out = np.asarray(compiled, dtype=np.float64).reshape(ref.shape)
+    nan_inf = int(out.size - np.count_nonzero(np.isfinite(out)))
+    figures = {"rows": int(ref.shape[0]), "nan_inf": nan_inf}
+    if nan_inf:
+        none = dict.fromkeys(("cosine", "cosine_mean", "max_abs_rel", "top1_agreement"))
+        return {**figures, **none}
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1)
+    cosines = (ref * out).sum(axis=1) / np.where(norms == 0, 1.0, norms)
+    return {
+        **figures,
+        "cosine": round(float(cosines.min()), 7),
+        "cosine_mean": round(float(cosines.mean()), 7),
+        "max_abs_rel": round(float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30)), 7),
+        "top1_agreement": round(float((ref.argmax(axis=1) == out.argmax(axis=1)).mean()), 6),
+    }
+
+
+def min_cosine(target_options, precision: str) -> float:
+    return float((target_options or {}).get("min_cosine", MIN_COSINE[precision]))
+
+
 # ---------------------------------------------------------------- the whole job
 
 
@@ -581,6 +700,16 @@ def build_spec(
         bmodels.append(bmodel)
 
     final = out_dir / f"{target.lower()}_{precision}.bmodel"
+    verify_steps = int(target_options.get("verify_steps", DEFAULT_VERIFY_STEPS))
+    verify, reference = None, None
+    if verify_steps > 0:
+        verify, reference = verification_plan(
+            ordered, verify_steps, work_dir / "verify", calibration_dir
+        )
+        import numpy as np
+
+        np.save(work_dir / "verify" / "reference_logits.npy", reference)
+        verify["reference"] = str((work_dir / "verify" / "reference_logits.npy").resolve())
     steps.append(
         {
             "name": "model_tool:combine",
@@ -606,6 +735,7 @@ def build_spec(
         "steps": steps,
         "result": str(work_dir / "job_result.json"),
         "state_files": [str(Path(p).resolve()) for p in state_files],
+        "verify": verify,
     }
 
 
@@ -645,7 +775,40 @@ def pin_build_time(bmodel, epoch=None) -> str:
     return stamp.decode()
 
 
-def compile_record(spec, result, stamp, target_options) -> dict:
+def simulator_figures(spec, logits, target_options) -> dict | None:
+    """``verification`` figures of the cmodel run against the reference (None without one)."""
+    import numpy as np
+
+    verify = spec.get("verify")
+    if not verify:
+        return None
+    reference = np.load(verify["reference"])
+    figures = verification_figures(reference, logits)
+    floor = min_cosine(target_options, spec["precision"])
+    calls = [c["net"] for c in verify["calls"]]
+    figures.update(
+        {
+            "reference": "onnxruntime fp32 on the source exports (npuforge.runtime.GraphChain)",
+            "simulator": "TPU-MLIR cmodel (pyruntime_bm), the combined bmodel's nets",
+            "inputs": "held-out text, recurrent: one prefill call, then decode calls "
+            "carrying the states",
+            "steps": calls.count("decode"),
+            "calls": {net: calls.count(net) for net in ("prefill", "decode") if net in calls},
+            "min_cosine": floor,
+        }
+    )
+    # Decode calls give one row each; the rows before them are the prefill call's tokens.
+    split = reference.shape[0] - figures["steps"]
+    if split:
+        figures["prefill"] = verification_figures(reference[:split], logits[:split])
+        figures["decode"] = verification_figures(reference[split:], logits[split:])
+    figures["passed"] = bool(
+        not figures["nan_inf"] and figures["cosine"] is not None and figures["cosine"] >= floor
+    )
+    return figures
+
+
+def compile_record(spec, result, stamp, target_options, figures=None) -> dict:
     """compile.json (docs/interfaces.md) from the spec and the job's result."""
     from npuforge.fileio import sha256_file
 
@@ -680,13 +843,19 @@ def compile_record(spec, result, stamp, target_options) -> dict:
             "versions": {**stamp.get("versions", {}), **result.get("versions", {})},
         },
         "verification": {
-            "reference": "TPU-MLIR npz compare: top MLIR vs onnxruntime, "
-            "tpu MLIR vs top MLIR, bmodel vs tpu MLIR",
-            "tolerance": spec["tolerance"],
-            "cosine": min(cosines) if cosines else None,
-            "passed": all(step["passed"] for step in result["steps"]),
-            "similarity": {
-                step["name"]: step["comparisons"] for step in result["steps"] if step["comparisons"]
+            **(figures or {"cosine": None, "passed": None}),
+            # TPU-MLIR's own single-input checks, each gating its step.
+            "tpumlir": {
+                "reference": "TPU-MLIR npz compare: top MLIR vs onnxruntime, "
+                "tpu MLIR vs top MLIR, bmodel vs tpu MLIR",
+                "tolerance": spec["tolerance"],
+                "cosine": min(cosines) if cosines else None,
+                "passed": all(step["passed"] for step in result["steps"]),
+                "similarity": {
+                    step["name"]: step["comparisons"]
+                    for step in result["steps"]
+                    if step["comparisons"]
+                },
             },
         },
         "nets": [
@@ -766,7 +935,19 @@ def compile_bmodel(
         # Keep the tools' logs and similarity figures; drop MLIR files and per-net bmodels.
         shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
         shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
-        record = compile_record(spec, result, stamp, target_options)
+        figures = None
+        if spec.get("verify"):
+            import numpy as np
+
+            figures = simulator_figures(spec, np.load(spec["verify"]["outputs"]), target_options)
+            if not figures["passed"]:
+                raise NpuforgeError(
+                    f"{target} {precision}: cmodel logits cosine {figures['cosine']} (nan/inf "
+                    f"{figures['nan_inf']}) is below {figures['min_cosine']} against onnxruntime "
+                    f"fp32 over {figures['rows']} tokens of held-out text; build f16, or set "
+                    "min_cosine in the target's options after checking the figures"
+                )
+        record = compile_record(spec, result, stamp, target_options, figures)
         record["artifacts"][0]["build_time"] = pinned
         shutil.rmtree(work)
         write_json(tmp / "compile.json", record)

@@ -6,8 +6,11 @@ The spec (written by npuforge.backends.tpumlir.build_spec) lists the TPU-MLIR
 command lines in order, each with its working directory and the files it must
 produce. This script runs them, keeps each tool's output in <work_dir>/logs/,
 parses the similarity figures TPU-MLIR prints when it compares tensors, and
-writes the result JSON. Standard library only (plus the vendor tools it runs):
-it never imports npuforge.
+writes the result JSON. Then, if the spec has ``verify``, it re-executes itself
+(``--verify``, in the tools' environment) to run the combined bmodel on
+TPU-MLIR's cmodel simulator over the spec's recurrent calls, all in one process.
+Standard library only at module level (the verify run imports the toolchain's
+numpy and tpu_mlir): it never imports npuforge.
 """
 
 import importlib.util
@@ -169,8 +172,128 @@ def run(spec: dict) -> dict:
                 why = "similarity below tolerance " + str(spec.get("tolerance"))
             write_result(spec, result)
             raise SystemExit(f"error: TPU-MLIR step {step['name']} failed: {why} (log {log_path})")
+    verify = spec.get("verify")
+    if verify:
+        index = len(spec["steps"])
+        log_path = logs / f"{index:02d}_verify_cmodel.log"
+        with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
+            argv = [sys.executable, os.path.abspath(__file__), "--verify", spec["spec_path"]]
+            started = time.monotonic()
+            proc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            seconds = round(time.monotonic() - started, 1)
+            log.seek(0)
+            text = log.read()
+        passed = proc.returncode == 0 and os.path.exists(verify["outputs"])
+        result["steps"].append(
+            {
+                "name": "verify:cmodel",
+                "graph": None,
+                "stage": "verify",
+                "returncode": proc.returncode,
+                "passed": passed,
+                "seconds": seconds,
+                "comparisons": [],
+                "log": str(log_path),
+            }
+        )
+        if not passed:
+            write_result(spec, result)
+            raise SystemExit(
+                f"error: running the bmodel on the cmodel simulator failed: "
+                f"{_last_error(text)} (log {log_path})"
+            )
     write_result(spec, result)
     return result
+
+
+def _runtime_outputs(net, np, bf16_to_fp32) -> list:
+    """The net's outputs as float arrays (the same conversions as TPU-MLIR's model_runner)."""
+    values = []
+    for tensor in net.outputs:
+        data = tensor.data
+        if data.dtype in (np.int8, np.uint8) and tensor.qscale != 0:
+            value = (data.astype(np.float32) - tensor.qzero_point) * np.float32(tensor.qscale)
+        elif tensor.dtype == "bf16":
+            value = bf16_to_fp32(data)
+        else:
+            value = np.array(data, dtype=np.float32)
+        values.append(np.array(value, dtype=np.float32))
+    return values
+
+
+def verify(spec: dict) -> None:
+    """Run the combined bmodel's nets on the cmodel over the recurrent calls of the spec.
+
+    Each call feeds its host inputs (from the main environment's .npz) by name and
+    every state input from the previous call's matching output (zeros at first);
+    outputs are matched to the export's by position, the order TPU-MLIR keeps.
+    Writes the logits of every call, one row per token, to ``verify.outputs``.
+    """
+    import importlib
+
+    import tpu_mlir
+
+    # Importing tpu_mlir sets LD_LIBRARY_PATH (libcmodel.so...) for the processes it
+    # starts, as its tools run; the loader reads it at start-up, so start afresh once.
+    if os.environ.get("NPUFORGE_TPUMLIR_VERIFY") != "1":
+        os.environ["NPUFORGE_TPUMLIR_VERIFY"] = "1"
+        argv = [sys.executable, os.path.abspath(__file__), "--verify", spec["spec_path"]]
+        os.execv(sys.executable, argv)
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(tpu_mlir.package_path, "python"))
+    from tools import model_runner
+    from utils.lowering import bf16_to_fp32, lowering
+
+    plan = spec["verify"]
+    bmodel = spec["bmodel"]
+    chip = model_runner.get_chip_from_model(bmodel)
+    # What model_runner does before loading a bmodel: point libcmodel.so at the chip's.
+    model_runner.link_cmodel_so(chip)
+    model_runner.link_custom_so(chip)
+    model_runner.link_bmlib_so(chip)
+    runtime = importlib.import_module("pyruntime_bm")
+    model_runner.bind_cmodel_so(chip)
+    model = runtime.Model(bmodel, 0, "")
+    nets = {name: model.Net(name) for name in model.networks}
+    state = {}
+    for net_plan in plan["nets"].values():
+        for spec_in in net_plan["inputs"]:
+            if spec_in["role"] == "state":
+                state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
+    rows = []
+    for call in plan["calls"]:
+        net_plan = plan["nets"][call["net"]]
+        net = nets[call["net"]]
+        with np.load(call["feeds"]) as data:
+            feeds = {key: data[key] for key in data.files}
+        feeds.update({k: v for k, v in state.items() if k not in feeds})
+        by_name = {tensor.name: tensor for tensor in net.inputs}
+        for spec_in in net_plan["inputs"]:
+            tensor = by_name[spec_in["name"]]
+            value = np.asarray(feeds[spec_in["name"]]).reshape(tensor.data.shape)
+            tensor.data.reshape(-1)[:] = lowering(
+                value,
+                pdtype=tensor.dtype,
+                pshape=value.shape,
+                pzero_point=tensor.qzero_point,
+                pscale=tensor.qscale,
+            ).flatten()
+        net.forward()
+        outputs = dict(
+            zip(
+                [o["name"] for o in net_plan["outputs"]],
+                _runtime_outputs(net, np, bf16_to_fp32),
+                strict=True,
+            )
+        )
+        for spec_in in net_plan["inputs"]:
+            if spec_in["role"] == "state":
+                state[spec_in["name"]] = outputs[spec_in["output"]].reshape(spec_in["shape"])
+        logits = outputs[net_plan["logits"]]
+        rows.append(logits.reshape(-1, logits.shape[-1]))
+    np.save(plan["outputs"], np.concatenate(rows))
+    print(f"verify: {len(plan['calls'])} calls, {sum(len(r) for r in rows)} logits rows")
 
 
 def write_result(spec: dict, result: dict) -> None:
@@ -182,11 +305,17 @@ def write_result(spec: dict, result: dict) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    verify_only = argv[:1] == ["--verify"]
+    argv = argv[1:] if verify_only else argv
     if len(argv) != 1:
-        print("usage: tpumlir_job.py <spec.json>", file=sys.stderr)
+        print("usage: tpumlir_job.py [--verify] <spec.json>", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    run(spec)
+    spec["spec_path"] = os.path.abspath(argv[0])
+    if verify_only:
+        verify(spec)
+    else:
+        run(spec)
     return 0
 
 
