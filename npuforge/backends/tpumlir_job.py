@@ -255,7 +255,10 @@ def verify(spec: dict) -> None:
     runtime = importlib.import_module("pyruntime_bm")
     model_runner.bind_cmodel_so(chip)
     model = runtime.Model(bmodel, 0, "")
-    nets = {name: model.Net(name) for name in model.networks}
+    missing = sorted(set(plan["nets"]) - set(model.networks))
+    if missing:
+        raise SystemExit(f"error: {bmodel} has no net {missing} (it has {model.networks})")
+    nets = {name: model.Net(name) for name in plan["nets"]}
     state = {}
     for net_plan in plan["nets"].values():
         for spec_in in net_plan["inputs"]:
