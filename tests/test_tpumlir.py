@@ -560,6 +560,19 @@ def test_verification_plan_runs_prefill_then_decode_on_held_out_text(exports, tm
     assert [c["net"] for c in plan["calls"]] == ["decode"] * 3 and reference.shape[0] == 3
 
 
+def test_min_cosine_per_precision():
+    import yaml
+
+    registry = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+    for target in ("BM1684X", "BM1688"):
+        options = registry[target]["options"]
+        assert tpumlir.min_cosine(options, "f16") == 0.9999
+        assert tpumlir.min_cosine(options, "int8") == 0.999
+    assert tpumlir.min_cosine({"min_cosine": 0.5}, "w4f16") == 0.5
+    assert tpumlir.min_cosine({"min_cosine": {"f16": 0.5}}, "bf16") == tpumlir.MIN_COSINE["bf16"]
+    assert tpumlir.min_cosine({}, "w4f16") == tpumlir.MIN_COSINE["w4f16"]
+
+
 def _fake_toolchain(exports, tmp_path, monkeypatch, perturb):
     """compile_bmodel with run_job replaced: the "job" writes a bmodel, its result and the
     simulator logits, which are the reference logits through ``perturb``."""

@@ -584,7 +584,11 @@ def verification_figures(reference, compiled) -> dict:
 
 
 def min_cosine(target_options, precision: str) -> float:
-    return float((target_options or {}).get("min_cosine", MIN_COSINE[precision]))
+    """The logits floor: option ``min_cosine`` (one number, or precision -> number)."""
+    given = (target_options or {}).get("min_cosine")
+    if isinstance(given, dict):
+        given = given.get(precision)
+    return float(MIN_COSINE[precision] if given is None else given)
 
 
 # ---------------------------------------------------------------- the whole job
