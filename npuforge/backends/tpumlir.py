@@ -10,6 +10,11 @@ Per graph, TPU-MLIR's documented chain (quick start, "Compile the ONNX model"):
                         MLIR, failing below --tolerance
     model_tool --combine  decode + prefill bmodels -> one bmodel with both nets
 
+Then the combined bmodel runs on TPU-MLIR's cmodel over a recurrent run of held-out
+text (one prefill call, then ``verify_steps`` decode calls carrying the states) and
+its logits are compared with onnxruntime fp32 on the exports: the compile fails
+below ``min_cosine`` (``verification_plan``, ``simulator_figures``).
+
 Every command line is built here as data (lists of argv); the job script
 (tpumlir_job.py) runs them inside the toolchain environment and parses the
 similarity figures TPU-MLIR prints. This module is imported at parse time: keep
