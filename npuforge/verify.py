@@ -157,6 +157,21 @@ def compare(logits, reference) -> dict:
     }
 
 
+def logits_agreement(reference, compiled) -> dict:
+    """``compare`` with one row per entry of the first axis (a step or a token),
+    rounded for manifests; with any NaN/Inf only their count is a figure."""
+    import numpy as np
+
+    ref = np.asarray(reference, dtype=np.float64)
+    rows = ref.shape[0]
+    out = np.asarray(compiled, dtype=np.float64).reshape(rows, -1)
+    figures = compare(out, ref.reshape(rows, -1))
+    if figures["nan_inf"]:
+        return {**figures, "top1_agreement": None}
+    digits = {"cosine": 7, "cosine_mean": 7, "max_abs_rel": 7, "top1_agreement": 6}
+    return {**figures, **{key: round(figures[key], n) for key, n in digits.items()}}
+
+
 def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dict:
     """Prefill the first whole calls, continue with decode; compare with decode alone."""
     import numpy as np

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
+from npuforge.verify import logits_agreement
 
 BACKEND = "qnn"
 JOB_SCRIPT = Path(__file__).with_name("qnn_job.py")
@@ -456,32 +457,8 @@ def build_spec(
 
 
 def verification_figures(reference, compiled) -> dict:
-    """Logits agreement over steps: cosine (worst step and mean), max |diff| / max |ref|, top-1."""
-    import numpy as np
-
-    steps = reference.shape[0]
-    ref = reference.reshape(steps, -1).astype(np.float64)
-    out = compiled.reshape(steps, -1).astype(np.float64)
-    nan_inf = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
-    if nan_inf:
-        return {
-            "steps": steps,
-            "nan_inf": nan_inf,
-            "cosine": None,
-            "cosine_mean": None,
-            "max_abs_rel": None,
-            "top1_agreement": None,
-        }
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1)
-    cosines = (ref * out).sum(axis=1) / np.where(norms == 0, 1.0, norms)
-    return {
-        "steps": steps,
-        "nan_inf": 0,
-        "cosine": round(float(cosines.min()), 7),
-        "cosine_mean": round(float(cosines.mean()), 7),
-        "max_abs_rel": round(float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30)), 7),
-        "top1_agreement": round(float((ref.argmax(axis=1) == out.argmax(axis=1)).mean()), 6),
-    }
+    """Logits agreement over steps (see npuforge.verify.logits_agreement)."""
+    return {"steps": int(reference.shape[0]), **logits_agreement(reference, compiled)}
 
 
 def _weights_shared(chunk_result: dict, variants: list[str]) -> dict:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
+from npuforge.verify import logits_agreement
 
 BACKEND = "tpumlir"
 JOB_SCRIPT = Path(__file__).with_name("tpumlir_job.py")
@@ -567,25 +568,8 @@ def verification_plan(ordered: dict, steps: int, work_dir, calibration_dirs=None
 
 
 def verification_figures(reference, compiled) -> dict:
-    """Logits agreement per token: cosine (worst, mean), max |diff| / max |ref|, top-1."""
-    import numpy as np
-
-    ref = np.asarray(reference, dtype=np.float64)
-    out = np.asarray(compiled, dtype=np.float64).reshape(ref.shape)
-    nan_inf = int(out.size - np.count_nonzero(np.isfinite(out)))
-    figures = {"rows": int(ref.shape[0]), "nan_inf": nan_inf}
-    if nan_inf:
-        none = dict.fromkeys(("cosine", "cosine_mean", "max_abs_rel", "top1_agreement"))
-        return {**figures, **none}
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(out, axis=1)
-    cosines = (ref * out).sum(axis=1) / np.where(norms == 0, 1.0, norms)
-    return {
-        **figures,
-        "cosine": round(float(cosines.min()), 7),
-        "cosine_mean": round(float(cosines.mean()), 7),
-        "max_abs_rel": round(float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30)), 7),
-        "top1_agreement": round(float((ref.argmax(axis=1) == out.argmax(axis=1)).mean()), 6),
-    }
+    """Logits agreement per token (see npuforge.verify.logits_agreement)."""
+    return {"rows": int(len(reference)), **logits_agreement(reference, compiled)}
 
 
 def min_cosine(target_options, precision: str) -> float:
