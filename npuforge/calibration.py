@@ -182,6 +182,22 @@ def heldout_tokens(count: int, vocab_size: int, text=None, tokenizer=None):
     return np.resize(ids, int(count)).astype(np.int64)
 
 
+def verification_tokens(count: int, vocab_size: int, calibration_dirs=()) -> list[int]:
+    """``count`` held-out token ids, the recurrent checks' input: the ``tokens`` a
+    calibration.json recorded (model tokenizer) when one of ``calibration_dirs`` (a
+    directory or a list) has enough, else the held-out text tokenized here."""
+    if count <= 0:
+        return []
+    if isinstance(calibration_dirs, (str, Path)):
+        calibration_dirs = [calibration_dirs]
+    for directory in calibration_dirs or ():
+        meta = Path(directory) / "calibration.json"
+        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
+        if len(recorded) >= count:
+            return [int(t) for t in recorded[:count]]
+    return [int(t) for t in heldout_tokens(count, vocab_size)]
+
+
 # Input roles every runner feeds the same way; any other role is position-dependent.
 RUNNER_ROLES = ("tokens", "embedding", "hidden", "state")
 

@@ -541,7 +541,9 @@ def test_verification_plan_runs_prefill_then_decode_on_held_out_text(exports, tm
 
     ordered = tpumlir.order_exports([exports / "decode", exports / "prefill"])
     plan, reference = tpumlir.verification_plan(ordered, 5, tmp_path / "v")
-    ids = tpumlir.verification_tokens(PREFILL_TOKENS + 5, 1024)
+    from npuforge.calibration import verification_tokens
+
+    ids = verification_tokens(PREFILL_TOKENS + 5, 1024)
     assert [c["net"] for c in plan["calls"]] == ["prefill"] + ["decode"] * 5
     assert [c["position"] for c in plan["calls"]] == [0] + list(range(8, 13))
     fed = [np.load(c["feeds"])["tokens"].ravel().tolist() for c in plan["calls"]]

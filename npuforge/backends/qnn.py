@@ -235,24 +235,6 @@ def calibration_samples(calibration_dir, chunk: int) -> list[dict]:
     return samples
 
 
-def verification_tokens(vocab_size: int, steps: int, calibration_dir=None) -> list[int]:
-    """The project's held-out text as token ids: the recurrent check's input.
-
-    calibration.json records them (``tokens``); without a calibration
-    directory they are tokenized here.
-    """
-    if steps <= 0:
-        return []
-    if calibration_dir:
-        meta = Path(calibration_dir) / "calibration.json"
-        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
-        if len(recorded) >= steps:
-            return [int(t) for t in recorded[:steps]]
-    from npuforge.calibration import heldout_tokens
-
-    return [int(t) for t in heldout_tokens(steps, vocab_size)]
-
-
 def verification_schedule(decode: dict, prefill: dict | None, steps: int) -> list[tuple]:
     """The calls of the recurrent check as (variant, first position, token count).
 
@@ -534,7 +516,9 @@ def compile_qnn(
     try:
         with atomic_path(out_dir) as staging:
             staging.mkdir()
-            tokens = verification_tokens(int(decode["vocab_size"]), verify_steps, calibration_dir)
+            from npuforge.calibration import verification_tokens
+
+            tokens = verification_tokens(verify_steps, int(decode["vocab_size"]), calibration_dir)
             calls = write_verification_feeds(decode, prefill, tokens, work_dir)
             reference = runner_logits(decode, prefill, tokens) if tokens else None
             spec = build_spec(

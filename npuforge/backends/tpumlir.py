@@ -481,20 +481,6 @@ def calibration_samples(calibration_dirs, inputs) -> list[str]:
 # ---------------------------------------------------------------- recurrent verification
 
 
-def verification_tokens(count: int, vocab_size: int, calibration_dirs=None) -> list[int]:
-    """``count`` held-out token ids: calibration.json's ``tokens`` when they suffice
-    (tokenized with the model's tokenizer), else the held-out text tokenized here."""
-    from npuforge.calibration import heldout_tokens
-    from npuforge.fileio import read_json
-
-    for directory in _as_dirs(calibration_dirs):
-        meta = directory / "calibration.json"
-        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
-        if len(recorded) >= count:
-            return [int(t) for t in recorded[:count]]
-    return [int(t) for t in heldout_tokens(count, vocab_size)]
-
-
 def verification_calls(ordered: dict, steps: int) -> list[tuple]:
     """The recurrent run as (net, first position, token count): one prefill call (when
     there is a prefill net), then ``steps`` decode calls carrying its states."""
@@ -518,6 +504,7 @@ def verification_plan(ordered: dict, steps: int, work_dir, calibration_dirs=None
     """
     import numpy as np
 
+    from npuforge.calibration import verification_tokens
     from npuforge.runtime import GraphChain, host_feeds
 
     calls = verification_calls(ordered, steps)
