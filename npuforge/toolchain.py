@@ -7,7 +7,8 @@ is prepared once per (backend, runtime) and described by a *stamp* JSON file;
 jobs then run as ``python <job_script> <spec.json>`` inside it.
 
 Runtimes:
-  native  a venv built from the lock (the stamp names its python)
+  native  a venv built from the lock in the machine's cache (``cache_root()``),
+          shared by every checkout; the stamp names its python
   podman  an image built from the Containerfile (the stamp names the image)
   docker  the same with docker
 
@@ -15,6 +16,7 @@ This module is imported while Snakemake parses the workflow: keep it free of
 heavy imports.
 """
 
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -33,12 +35,29 @@ RUNTIMES = ("native", "podman", "docker")
 CONTAINER_RUNTIMES = ("podman", "docker")
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where native toolchain venvs are kept, one per (backend, envs/<backend>/ hash), so
+# every checkout and CI run on a machine shares them; NPUFORGE_CACHE overrides it.
+CACHE_ENV = "NPUFORGE_CACHE"
 # Where the python of a toolchain image lives; every Containerfile puts its venv here.
 CONTAINER_PYTHON = "/opt/toolchain/bin/python"
 
 
 def env_dir(backend: str, repo_root=None) -> Path:
     return Path(repo_root or REPO_ROOT) / "envs" / backend
+
+
+def cache_root() -> Path:
+    """npuforge's per-machine cache: $NPUFORGE_CACHE, else $XDG_CACHE_HOME/npuforge,
+    else ~/.cache/npuforge (like huggingface_hub's cache, outside any checkout)."""
+    named = os.environ.get(CACHE_ENV)
+    if named:
+        return Path(named).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "npuforge"
+
+
+def native_venv(backend: str, repo_root=None) -> Path:
+    return cache_root() / "toolchains" / f"{backend}-native-{env_hash(backend, repo_root)}"
 
 
 def env_hash(backend: str, repo_root=None) -> str:
@@ -169,30 +188,36 @@ def _versions_native(python: str, backend: str, repo_root) -> dict:
     return json.loads(out.stdout)
 
 
-def _prepare_native(backend, stamp_path, repo_root, target_options, log) -> dict:
+def _prepare_native(backend, repo_root, target_options, log) -> dict:
     lock = env_dir(backend, repo_root) / "requirements.lock"
     if not lock.is_file():
         raise NpuforgeError(f"backend '{backend}' has no {lock}: cannot build a native toolchain")
     # Locks are complete (every package pinned), and some toolkits declare pins that the
     # lock deliberately overrides (rknn-toolkit2 asks for torch<=2.4): install exactly the lock.
-    venv = Path(stamp_path).resolve().parent / f"{backend}-native-{env_hash(backend, repo_root)}"
+    venv = native_venv(backend, repo_root)
     python = venv / "bin" / "python"
-    if not (venv / ".complete").exists():
-        shutil.rmtree(venv, ignore_errors=True)
-        base = _native_base_python(backend, target_options)
-        try:
-            _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
-            env = {**os.environ, **_pip_environment()}
-            _run(
-                [python, "-m", "pip", "install", "--no-input", "--no-deps", "-r", lock],
-                log=log,
-                env=env,
-                what=f"installing {lock}",
-            )
-        except BaseException:
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # Another checkout may be building the same venv: the second waits, then reuses it.
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if not (venv / ".complete").exists():
+            log.write(f"building the {backend} toolchain venv in {venv}\n")
+            log.flush()
             shutil.rmtree(venv, ignore_errors=True)
-            raise
-        (venv / ".complete").write_text("ok\n")
+            base = _native_base_python(backend, target_options)
+            try:
+                _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
+                env = {**os.environ, **_pip_environment()}
+                _run(
+                    [python, "-m", "pip", "install", "--no-input", "--no-deps", "-r", lock],
+                    log=log,
+                    env=env,
+                    what=f"installing {lock}",
+                )
+            except BaseException:
+                shutil.rmtree(venv, ignore_errors=True)
+                raise
+            (venv / ".complete").write_text("ok\n")
     return {"python": str(python), "versions": _versions_native(str(python), backend, repo_root)}
 
 
@@ -248,7 +273,7 @@ def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log:
         if runtime == "native":
-            described = _prepare_native(backend, stamp_path, repo_root, target_options, log)
+            described = _prepare_native(backend, repo_root, target_options, log)
         else:
             described = _prepare_container(backend, runtime, repo_root, log)
     stamp = {

@@ -33,6 +33,13 @@ JOB_PY = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Toy venvs go to a private cache, never the machine's shared one."""
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def make_backend(root: Path, name="toy", lock="", containerfile=None) -> Path:
     env = root / "envs" / name
     env.mkdir(parents=True)
@@ -114,13 +121,25 @@ def test_failed_job_raises_its_error_line(tmp_path):
     assert "progress line" in (tmp_path / "job.log").read_text()
 
 
-def test_broken_lock_leaves_no_venv(tmp_path):
+def test_broken_lock_leaves_no_venv(tmp_path, private_cache):
     make_backend(tmp_path, lock="this-package-does-not-exist-npuforge==0.0.0\n")
     stamp_path = tmp_path / "toolchains" / "toy-native.json"
     with pytest.raises(NpuforgeError, match="installing"):
         toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
     assert not stamp_path.exists()
-    assert not list((tmp_path / "toolchains").glob("toy-native-*"))
+    assert not [p for p in (private_cache / "toolchains").iterdir() if p.is_dir()]
+
+
+def test_native_venv_lives_in_the_machine_cache_and_is_shared(tmp_path, private_cache):
+    make_backend(tmp_path)
+    first = toolchain.prepare(
+        "toy", "native", tmp_path / "a" / "toy-native.json", repo_root=tmp_path
+    )
+    second = toolchain.prepare(
+        "toy", "native", tmp_path / "b" / "toy-native.json", repo_root=tmp_path
+    )
+    assert first["python"] == second["python"]
+    assert Path(first["python"]).is_relative_to(private_cache / "toolchains")
 
 
 def test_missing_stamp_says_how_to_prepare(tmp_path):
