@@ -16,7 +16,6 @@ This module is imported while Snakemake parses the workflow: keep it free of
 heavy imports.
 """
 
-import fcntl
 import functools
 import hashlib
 import importlib
@@ -28,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from npuforge.cache import cache_root, entry_lock
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 
@@ -35,9 +35,6 @@ RUNTIMES = ("native", "podman", "docker")
 CONTAINER_RUNTIMES = ("podman", "docker")
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Where native toolchain venvs are kept, one per (backend, envs/<backend>/ hash), so
-# every checkout and CI run on a machine shares them; NPUFORGE_CACHE overrides it.
-CACHE_ENV = "NPUFORGE_CACHE"
 # Where the python of a toolchain image lives; every Containerfile puts its venv here.
 CONTAINER_PYTHON = "/opt/toolchain/bin/python"
 
@@ -46,17 +43,8 @@ def env_dir(backend: str, repo_root=None) -> Path:
     return Path(repo_root or REPO_ROOT) / "envs" / backend
 
 
-def cache_root() -> Path:
-    """npuforge's per-machine cache: $NPUFORGE_CACHE, else $XDG_CACHE_HOME/npuforge,
-    else ~/.cache/npuforge (like huggingface_hub's cache, outside any checkout)."""
-    named = os.environ.get(CACHE_ENV)
-    if named:
-        return Path(named).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "npuforge"
-
-
 def native_venv(backend: str, repo_root=None) -> Path:
+    """One venv per (backend, envs/<backend>/ hash) in the machine's cache."""
     return cache_root() / "toolchains" / f"{backend}-native-{env_hash(backend, repo_root)}"
 
 
@@ -196,10 +184,8 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
     # lock deliberately overrides (rknn-toolkit2 asks for torch<=2.4): install exactly the lock.
     venv = native_venv(backend, repo_root)
     python = venv / "bin" / "python"
-    venv.parent.mkdir(parents=True, exist_ok=True)
     # Another checkout may be building the same venv: the second waits, then reuses it.
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
+    with entry_lock(venv):
         if not (venv / ".complete").exists():
             log.write(f"building the {backend} toolchain venv in {venv}\n")
             log.flush()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from npuforge import toolchain
+from npuforge.cache import CACHE_ENV
 from npuforge.errors import NpuforgeError
 
 VERSIONS_PY = "import json, sys\nprint(json.dumps({'python': sys.version.split()[0]}))\n"
@@ -36,7 +37,7 @@ JOB_PY = textwrap.dedent(
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """Toy venvs go to a private cache, never the machine's shared one."""
-    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npuforge import toolchain
 from npuforge.backends import tpumlir
+from npuforge.cache import cache_root
 from npuforge.errors import NpuforgeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -743,7 +743,7 @@ def test_unavailable_reason_wants_a_cpu_torch_wheel(tmp_path, monkeypatch):
 def _toolchain_python():
     """A Python with tpu_mlir installed: a prepared native venv, or $NPUFORGE_TPUMLIR_ENV."""
     candidates = [os.environ.get("NPUFORGE_TPUMLIR_ENV", "")]
-    candidates += sorted(glob.glob(str(toolchain.cache_root() / "toolchains/tpumlir-native-*")))
+    candidates += sorted(glob.glob(str(cache_root() / "toolchains/tpumlir-native-*")))
     candidates.append("/work/venvs/tpumlir")
     for root in filter(None, candidates):
         python = Path(root) / "bin" / "python"
