@@ -110,12 +110,18 @@ def check_registries(models: dict, targets: dict) -> None:
                 f"model {model_id}: a synthetic llama checkpoint is a model directory; "
                 "set format: hf"
             )
+        if model["format"] == "gguf" and model["family"] != "llama":
+            raise NpuforgeError(
+                f"model {model_id}: format gguf is read for the llama family only; set family: "
+                "llama or use a pth/safetensors checkpoint"
+            )
         fixed_kind = "path" not in model["source"] and not synthetic_llama
         if fixed_kind and snapshot != (model["format"] == "hf"):
             raise NpuforgeError(
                 f"model {model_id}: format {model['format']} needs "
                 f"{'hf.snapshot: true' if model['format'] == 'hf' else 'a single-file source'}; "
-                "format hf goes with a snapshot (or a directory path), pth/safetensors with a file"
+                "format hf goes with a snapshot (or a directory path), pth/safetensors/gguf with "
+                "a file"
             )
         for target_id, precisions in model.get("precisions", {}).items():
             if target_id not in targets:

@@ -126,6 +126,7 @@ def build_bundle(
     export_dirs,
     tokenizer,
     fetch_record,
+    dequantize_record=None,
     export_verification=(),
     out_dir,
     tarball,
@@ -172,6 +173,8 @@ def build_bundle(
                 "context_length": model_entry.get("context_length"),
                 "tokenizer": model_entry.get("tokenizer"),
                 "arch": model_entry.get("arch"),
+                # A GGUF source: its quantization, and how it was dequantized for export.
+                "dequantized_from": read_json(dequantize_record) if dequantize_record else None,
             },
             "target": {
                 "id": target_id,

@@ -74,12 +74,25 @@ def as_json(data):
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
-def checkpoint_path(model):
+def fetched_path(model):
     return f"{RESULTS}/models/{model}/checkpoint.{MODELS[model]['format']}"
 
 
+def checkpoint_path(model):
+    # What the stages read: a GGUF file is read through its dequantized directory.
+    if MODELS[model]["format"] == "gguf":
+        return f"{RESULTS}/models/{model}/dequantized.hf"
+    return fetched_path(model)
+
+
 def fetch_record(model):
-    return checkpoint_path(model) + ".json"
+    return fetched_path(model) + ".json"
+
+
+def dequantize_record(model):
+    if MODELS[model]["format"] == "gguf":
+        return f"{RESULTS}/models/{model}/dequantized.hf.json"
+    return []
 
 
 def export_dir(model, key):
@@ -223,7 +236,16 @@ def package_inputs(wildcards):
         ],
         "tokenizer": tokenizer_path(model) or [],
         "fetch_record": fetch_record(model),
+        "dequantize_record": dequantize_record(model),
     }
+
+
+def package_dequantize_arg(wildcards, input):
+    return (
+        f"--dequantize-record {input.dequantize_record}"
+        if input.dequantize_record
+        else ""
+    )
 
 
 def package_tokenizer_arg(wildcards, input):

@@ -5,7 +5,7 @@ rule fetch:
     log:
         f"{RESULTS}/logs/fetch/{{model}}.{{fmt}}.log",
     wildcard_constraints:
-        fmt="pth|safetensors",
+        fmt="pth|safetensors|gguf",
     conda:
         MAIN_ENV
     threads: 1
@@ -35,6 +35,25 @@ rule fetch_tree:
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
     shell:
         "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+
+
+# A GGUF checkpoint, dequantized to a Hugging Face model directory that every later
+# stage reads; the pinned GGUF stays the source of record.
+rule dequantize:
+    input:
+        f"{RESULTS}/models/{{model}}/checkpoint.gguf",
+    output:
+        checkpoint=directory(f"{RESULTS}/models/{{model}}/dequantized.hf"),
+        record=f"{RESULTS}/models/{{model}}/dequantized.hf.json",
+    log:
+        f"{RESULTS}/logs/dequantize/{{model}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    shell:
+        "python workflow_scripts/dequantize_gguf.py --gguf {input} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
 
 rule inspect:

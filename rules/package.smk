@@ -22,5 +22,6 @@ rule package:
             f"--export-verification {f}" for f in input.verify
         ),
         tokenizer=package_tokenizer_arg,
+        dequantized=package_dequantize_arg,
     shell:
-        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} {params.tokenizer} --fetch-record {input.fetch_record} --out-dir $(dirname {output.manifest}) --tarball {output.tarball} > {log} 2>&1"
+        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} {params.tokenizer} --fetch-record {input.fetch_record} {params.dequantized} --out-dir $(dirname {output.manifest}) --tarball {output.tarball} > {log} 2>&1"

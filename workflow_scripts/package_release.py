@@ -42,6 +42,9 @@ def main(argv=None):
         help="the checkpoint has no tokenizer (registry tokenizer: none); the manifest says so",
     )
     parser.add_argument("--fetch-record", required=True, help="the checkpoint's fetch record JSON")
+    parser.add_argument(
+        "--dequantize-record", help="gguf.json of a dequantized GGUF checkpoint (format gguf)"
+    )
     parser.add_argument("--out-dir", required=True, help="release directory to write")
     parser.add_argument("--tarball", required=True, help="tar.gz of the release directory")
     args = parser.parse_args(argv)
@@ -55,6 +58,7 @@ def main(argv=None):
         export_dirs=args.export,
         tokenizer=args.tokenizer,
         fetch_record=args.fetch_record,
+        dequantize_record=args.dequantize_record,
         export_verification=args.export_verification,
         out_dir=args.out_dir,
         tarball=args.tarball,
