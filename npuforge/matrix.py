@@ -53,6 +53,9 @@ class Plan:
         spec = self.targets[target]["precisions"].get(precision) or {}
         return bool(spec.get("calibrate", False))
 
+    def models_built(self) -> list[str]:
+        return sorted({b.model for b in self.builds})
+
     def vendor_targets(self) -> list[str]:
         used = sorted({b.target for b in self.builds})
         return [t for t in used if self.targets[t]["backend"] != REFERENCE_BACKEND]

@@ -26,6 +26,7 @@ from npuforge.matrix import (
     make_plan,
     parse_selection,
 )
+from npuforge.provenance import check_models
 from npuforge.registry import check_registries, load_registries
 
 MAIN_ENV = "../envs/main/environment.yaml"
@@ -87,6 +88,15 @@ def checkpoint_path(model):
 
 def fetch_record(model):
     return fetched_path(model) + ".json"
+
+
+try:
+    # Pinned inputs must still match their pins before any job runs (sources and fetched copies).
+    check_models(
+        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in PLAN.models_built()}
+    )
+except NpuforgeError as err:
+    _stop(err)
 
 
 def dequantize_record(model):

@@ -68,5 +68,7 @@ rule inspect:
     threads: 1
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        arch=lambda w: as_json(MODELS[w.model]["arch"]),
     shell:
-        "python workflow_scripts/inspect_checkpoint.py --checkpoint {input.checkpoint} --out {output} > {log} 2>&1"
+        "python workflow_scripts/inspect_checkpoint.py --checkpoint {input.checkpoint} --model {wildcards.model} --arch {params.arch:q} --out {output} > {log} 2>&1"
