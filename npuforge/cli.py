@@ -1,16 +1,42 @@
 """Shared plumbing for the step CLIs in workflow_scripts/."""
 
+import errno
 import sys
 
 from npuforge.errors import NpuforgeError
 
+# What the machine refused, by errno: the fix to name in the one-line error.
+OS_FIXES = {
+    errno.ENOSPC: "free disk space or point results= at a larger filesystem",
+    errno.EDQUOT: "free disk space (quota) or point results= elsewhere",
+    errno.EFBIG: "raise the file size limit (ulimit -f) or point results= elsewhere",
+    errno.EROFS: "point results= at a writable filesystem",
+    errno.EACCES: "fix the permissions or point results= elsewhere",
+    errno.EPERM: "fix the permissions or point results= elsewhere",
+}
+
 
 def run_cli(main, argv=None) -> int:
-    """Run ``main(argv)``; turn an NpuforgeError into one line on stderr and exit 2."""
+    """Run ``main(argv)``; turn an NpuforgeError, an operating-system refusal (disk full,
+    file size limit, read-only filesystem) or running out of memory into one line on
+    stderr and exit 2. Outputs are written atomically, so nothing partial is left."""
     try:
         main(argv)
     except NpuforgeError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in OS_FIXES:
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {where}{err.strerror}; {OS_FIXES[err.errno]}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(
+            "error: out of memory; give the job more memory (targets.yaml compile_mem_mb for "
+            "compile jobs, a larger machine, or fewer parallel jobs with --cores)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

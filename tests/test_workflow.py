@@ -160,11 +160,13 @@ def test_bad_selection_stops_before_any_job(workflow, config, message):
 def test_bad_registry_entry_from_configfile_stops_before_any_job(workflow):
     model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
     model["source"] = {"hf": {"repo": "org/name", "filename": "m.pth", "revision": "main"}}
+    model["sha256"] = "0" * 64
     extra = write_extra(workflow, {"models": {"bad": model}, "model": "bad"})
     result = snakemake(workflow, "--configfile", extra)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "does not match" in output and "main" in output
+    assert "npuforge: models.bad.source.hf.revision: 'main' does not match" in output
+    assert "a pinned commit, never a branch" in output
     assert not (workflow / "results").exists()
 
 
