@@ -1,6 +1,7 @@
 """Fetch: path and hf sources, sha256 checks, the real huggingface_hub client on loopback."""
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -106,15 +107,24 @@ class HubHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
 
-@pytest.fixture
-def hub():
-    HubHandler.requests_seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+@contextlib.contextmanager
+def loopback_server(handler):
+    """Serve ``handler`` on a free loopback port; yield the base URL."""
+    handler.requests_seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def hub():
+    with loopback_server(HubHandler) as url:
+        yield url
 
 
 def hf_env(tmp_path, endpoint, **extra):
@@ -363,13 +373,8 @@ class IndexHandler(BaseHTTPRequestHandler):
 @pytest.fixture
 def package_index(tmp_path):
     IndexHandler.wheel = make_wheel(tmp_path)
-    IndexHandler.requests_seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), IndexHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/simple"
-    server.shutdown()
-    server.server_close()
+    with loopback_server(IndexHandler) as url:
+        yield f"{url}/simple"
 
 
 def pip_env(tmp_path, index_url):
