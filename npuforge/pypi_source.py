@@ -43,6 +43,9 @@ def download_wheel(package: str, version: str, log=None) -> Path:
             print(f"{package}=={version}: wheel found in the cache {entry}", file=log)
             return _the_wheel(entry, package, version)
         shutil.rmtree(entry, ignore_errors=True)
+        # Scratch directories of killed downloads (the lock is ours: none is in use).
+        for stale in entry.parent.glob(f".{entry.name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
             _pip_download(package, version, scratch, log)
