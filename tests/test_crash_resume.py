@@ -1,0 +1,29 @@
+"""Crash and resume: a build killed at a random moment resumes to the same bytes.
+
+CI runs a few seeded trials; bench/reliability.py runs many (N >= 20).
+"""
+
+import pytest
+from crash_trials import run_trials
+
+from npuforge import toolchain
+
+RKNN_REASON = toolchain.unavailable_reason("rknn", "native", {"target_platform": "rk3588"})
+
+
+@pytest.mark.slow
+def test_killed_onnx_builds_resume_to_identical_bytes(tmp_path):
+    trials = run_trials(tmp_path, ["model=rwkv7-tiny", "target=onnx"], count=3, seed=1)
+    for trial in trials:
+        assert trial.resumed, trial
+        assert trial.identical, trial
+        assert trial.leftovers == [], trial
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(RKNN_REASON is not None, reason=f"no rknn toolchain: {RKNN_REASON}")
+def test_a_killed_rknn_build_resumes_to_identical_bytes(tmp_path):
+    trials = run_trials(tmp_path, ["model=rwkv7-tiny", "target=RK3588"], count=2, seed=2)
+    for trial in trials:
+        assert trial.resumed and trial.identical and trial.leftovers == [], trial
