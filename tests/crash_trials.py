@@ -66,9 +66,16 @@ def clean_build(workdir: Path, config: list) -> tuple[dict, float]:
     return release_digests(wf / "results"), time.monotonic() - start
 
 
-def last_rule(log_text: str) -> str:
-    rules = re.findall(r"^(?:localrule|rule) (\w+):", log_text, re.M)
-    return rules[-1] if rules else "planning"
+def running_rules(log_text: str) -> str:
+    """The rules whose jobs had started and not finished when the run was killed."""
+    started = dict(
+        (job, rule)
+        for rule, job in re.findall(r"^(?:localrule|rule) (\w+):\n(?:.*\n)*?\s+jobid: (\d+)",
+                                    log_text, re.M)
+    )  # fmt: skip
+    finished = set(re.findall(r"Finished jobid: (\d+)", log_text))
+    running = sorted({rule for job, rule in started.items() if job not in finished})
+    return ",".join(running) or ("planning" if not started else "between jobs")
 
 
 def kill_trial(workdir: Path, config: list, kill_at: float, reference: dict, name: str) -> Trial:
@@ -86,7 +93,7 @@ def kill_trial(workdir: Path, config: list, kill_at: float, reference: dict, nam
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    stage = last_rule(log.read_text(errors="replace"))
+    stage = running_rules(log.read_text(errors="replace"))
     subprocess.run(snakemake_cmd("--unlock", "--config", *config, f"results={results}"),
                    cwd=wf, env=script_env(), capture_output=True)  # fmt: skip
     rerun = subprocess.run(cmd, cwd=wf, env=script_env(), capture_output=True, text=True)
