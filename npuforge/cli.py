@@ -41,17 +41,19 @@ def run_cli(main, argv=None) -> int:
     return 0
 
 
-def compile_argument_parser(description: str, precisions=None):
-    """The arguments every compile_<backend>.py takes (docs/interfaces.md); add your own after."""
+def compile_argument_parser(description: str):
+    """The arguments of workflow_scripts/compile.py (docs/interfaces.md)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--backend", required=True, help="onnx, qnn, rknn or tpumlir")
     parser.add_argument(
         "--export", action="append", required=True, help="export directory; repeatable"
     )
     parser.add_argument(
         "--calibration",
         action="append",
+        default=[],
         help="calibration directory of one --export (quantized precisions); repeatable, "
         "paired with the exports by the variant its calibration.json records",
     )
@@ -59,8 +61,13 @@ def compile_argument_parser(description: str, precisions=None):
     parser.add_argument(
         "--target-options", default="{}", help="the target's options from targets.yaml as JSON"
     )
-    parser.add_argument("--precision", required=True, choices=precisions)
+    parser.add_argument("--precision", required=True)
     parser.add_argument("--toolchain", help="toolchain stamp JSON (prepare_toolchain.py)")
+    parser.add_argument("--heldout", help="the model's held-out token file (verification text)")
+    parser.add_argument("--checkpoint", help="the fetched checkpoint (the onnx reference target)")
+    parser.add_argument(
+        "--state", action="append", default=[], help="RWKV state file shipped beside (tpumlir)"
+    )
     parser.add_argument("--out-dir", required=True, help="directory to write")
     parser.add_argument("--log", help="append the toolchain job's output here")
     return parser

@@ -173,7 +173,12 @@ def check_registries(models: dict, targets: dict) -> None:
         path = model["source"].get("path")
         if path is not None and not Path(path).is_absolute():
             raise NpuforgeError(f"model {model_id}: source.path '{path}' must be an absolute path")
+    from npuforge import backends
+
     for target_id, target in targets.items():
+        # The backend's typed options (unknown keys refused) and its chip table.
+        options = backends.options_of(target["backend"], target["options"], target_id)
+        backends.get(target["backend"]).check_target(target_id, options, list(target["precisions"]))
         supported = target["precisions"]
         for precision in target["default_precisions"]:
             if precision not in supported:

@@ -115,15 +115,28 @@ def unavailable_reason(backend: str, runtime: str, target_options=None) -> str |
     module = _backend_module(backend)
     check = getattr(module, "unavailable_reason", None)
     if check is not None:
-        return check(runtime, dict(target_options or {}))
+        try:
+            options = _typed(module, target_options)
+        except NpuforgeError as err:
+            return str(err)
+        return check(runtime, options)
     return None
+
+
+def _typed(module, target_options):
+    """A backend's typed Options from a target's options mapping (typed ones pass through)."""
+    if not hasattr(module, "Options") or isinstance(target_options, module.Options):
+        return target_options
+    from npuforge.backends.base import parse_options
+
+    return parse_options(module.Options, target_options, f"the {module.NAME} target")
 
 
 def _native_base_python(backend: str, target_options) -> str:
     module = _backend_module(backend)
     chooser = getattr(module, "native_python", None)
     if chooser is not None:
-        return chooser(dict(target_options or {}))
+        return chooser(_typed(module, target_options))
     return sys.executable
 
 

@@ -127,6 +127,23 @@ def rwkv_reference_logits(checkpoint, tokens):
     return np.stack(rows)
 
 
+def family_reference(family: str, checkpoint, tokens) -> tuple:
+    """(logits [B, S, V], exact name) of the family's own implementation on ``checkpoint``:
+    BlinkDL's rwkv package for RWKV, transformers for the llama family."""
+    from importlib import metadata
+
+    if family == "rwkv":
+        name = f"rwkv {metadata.version('rwkv')} (BlinkDL's package), cpu fp32"
+        return rwkv_reference_logits(checkpoint, tokens), name
+    module = importlib.import_module(f"npuforge.models.{family}")
+    if not hasattr(module, "reference_logits"):
+        raise NpuforgeError(
+            f"family {family!r} has no reference implementation; use --reference onnx-fp32:DIR"
+        )
+    name = f"transformers {metadata.version('transformers')} fp32 (AutoModelForCausalLM, eager)"
+    return module.reference_logits(checkpoint, tokens), name
+
+
 def compare(logits, reference) -> dict:
     import numpy as np
 
@@ -233,18 +250,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
     if reference in ("auto", "rwkv"):
         if checkpoint is None:
             raise NpuforgeError(f"--reference {reference} needs --checkpoint")
-        if meta["family"] == "rwkv":
-            ref_logits = rwkv_reference_logits(checkpoint, tokens)
-            ref_name = "rwkv package (BlinkDL) cpu fp32"
-        else:
-            family = importlib.import_module(f"npuforge.models.{meta['family']}")
-            if not hasattr(family, "reference_logits"):
-                raise NpuforgeError(
-                    f"family {meta['family']!r} has no reference implementation; "
-                    "use --reference onnx-fp32:DIR"
-                )
-            ref_logits = family.reference_logits(checkpoint, tokens)
-            ref_name = f"{meta['family']} reference implementation (fp32)"
+        ref_logits, ref_name = family_reference(meta["family"], checkpoint, tokens)
     elif reference.startswith("onnx-fp32:"):
         ref_chain = open_chain(reference[len("onnx-fp32:") :])
         if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":

@@ -202,9 +202,24 @@ def release_outputs():
     return outputs
 
 
+def heldout_path(model):
+    return f"{RESULTS}/heldout/{model}.json"
+
+
+def heldout_inputs(wildcards):
+    # Only a model that ships its own tokenizer needs the checkpoint to tokenize the text.
+    inputs = {"text": "data/calibration/heldout.txt"}
+    if MODELS[wildcards.model]["tokenizer"] == "hf":
+        inputs["checkpoint"] = checkpoint_path(wildcards.model)
+    return inputs
+
+
 def compile_inputs(wildcards):
     backend = TARGETS[wildcards.target]["backend"]
-    inputs = {"exports": target_export_dirs(wildcards.model, wildcards.target)}
+    inputs = {
+        "exports": target_export_dirs(wildcards.model, wildcards.target),
+        "heldout": heldout_path(wildcards.model),
+    }
     if PLAN.needs_calibration(wildcards.target, wildcards.precision):
         inputs["calibration"] = target_calibration_dirs(
             wildcards.model, wildcards.target

@@ -33,4 +33,4 @@ rule compile:
         exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
         optional=compile_optional_args,
     shell:
-        "python workflow_scripts/compile_{params.backend}.py {params.exports} {params.optional} --target {wildcards.target} --target-options {params.options:q} --precision {wildcards.precision} --out-dir {output} > {log} 2>&1"
+        "python workflow_scripts/compile.py --backend {params.backend} {params.exports} {params.optional} --heldout {input.heldout} --target {wildcards.target} --target-options {params.options:q} --precision {wildcards.precision} --out-dir {output} > {log} 2>&1"

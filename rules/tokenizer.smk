@@ -28,3 +28,27 @@ rule tokenizer_hf:
         mem_mb=1000,
     shell:
         "python workflow_scripts/convert_tokenizer.py --hf-checkpoint {input.checkpoint} --out {output} > {log} 2>&1"
+
+
+# The held-out text (never calibrated on) in the model's own tokens: every compile
+# step verifies its binaries over it.
+rule heldout:
+    input:
+        unpack(heldout_inputs),
+    output:
+        f"{RESULTS}/heldout/{{model}}.json",
+    log:
+        f"{RESULTS}/logs/heldout/{{model}}.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=1000,
+    params:
+        tokenizer=lambda w: MODELS[w.model]["tokenizer"],
+        vocab=lambda w: MODELS[w.model]["arch"]["vocab"],
+        checkpoint=lambda w, input: (
+            f"--checkpoint {input.checkpoint}" if "checkpoint" in input.keys() else ""
+        ),
+    shell:
+        "python workflow_scripts/tokenize_heldout.py --tokenizer {params.tokenizer} --vocab {params.vocab} {params.checkpoint} --out {output} > {log} 2>&1"

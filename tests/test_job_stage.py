@@ -5,11 +5,11 @@ import subprocess
 import sys
 import time
 
-from npuforge.backends import job_stage
+from npuforge.jobs import job_stage
 
 WAITER = """
 import os, sys
-from npuforge.backends import job_stage
+from npuforge.jobs import job_stage
 job_stage.STAGE_ROOT = sys.argv[1]
 stage, _, lock = job_stage.make_stage("test", {"same": "spec"}, {}, [])
 # The lock this waiter got must be the file now at the lock path, not an unlinked one.

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from npuforge.backends.onnx import compile_reference
+from npuforge.backends import onnx
+from npuforge.backends.base import CompileRequest
 from npuforge.errors import NpuforgeError
 
 
@@ -27,7 +28,7 @@ def export_dir(tmp_path, dtype="fp32"):
     [
         ({"precision": "fp16"}, "builds fp32, not 'fp16'"),
         ({"dtype": "fp16"}, "holds fp16 graphs; the reference needs dtype fp32"),
-        ({"two_exports": True}, "takes one --export"),
+        ({"two_exports": True}, "two decode exports given"),
     ],
 )
 def test_refusals_leave_nothing(tmp_path, kwargs, message):
@@ -36,12 +37,14 @@ def test_refusals_leave_nothing(tmp_path, kwargs, message):
         exports.append(exports[0])
     out = tmp_path / "compiled"
     with pytest.raises(NpuforgeError, match=message):
-        compile_reference(
-            exports=exports,
-            checkpoint=tmp_path / "unused.pth",
-            target="onnx",
-            target_options={"verify_steps": 2},
-            precision=kwargs.get("precision", "fp32"),
-            out_dir=out,
+        onnx.compile(
+            CompileRequest(
+                exports=exports,
+                checkpoint=tmp_path / "unused.pth",
+                target="onnx",
+                options=onnx.Options(verify_steps=2),
+                precision=kwargs.get("precision", "fp32"),
+                out_dir=out,
+            )
         )
     assert not out.exists()

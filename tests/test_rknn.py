@@ -16,10 +16,31 @@ import numpy as np
 import pytest
 
 from npuforge.backends import rknn
+from npuforge.backends.base import CompileRequest
 from npuforge.errors import NpuforgeError
 
 REPO = Path(__file__).resolve().parents[1]
 RK3588 = {"target_platform": "rk3588", "optimization_level": 3, "memory_budget_gb": 8}
+
+
+def options(mapping) -> rknn.Options:
+    return rknn.Options(**mapping)
+
+
+def compile_rknn(exports, calibration, target, mapping, precision, stamp, out, job_runner=None):
+    """rknn.compile with the request built from the same arguments the CLI takes."""
+    return rknn.compile(
+        CompileRequest(
+            exports=exports,
+            calibrations=[calibration] if calibration else [],
+            target=target,
+            options=options(mapping),
+            precision=precision,
+            toolchain=stamp,
+            out_dir=out,
+            job_runner=job_runner,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- rewrites
@@ -238,19 +259,20 @@ def test_plan_chunks_and_precision_checks():
     assert rknn.plan_chunks(25_000_000, "fp16", 8) == 1
     assert rknn.plan_chunks(450_000_000, "fp16", 8) == 3
     assert rknn.plan_chunks(450_000_000, "fp16", 2) == 11
-    rknn.check_precision("RK3588", RK3588, "w16a16i_dfp")
+    rknn.check_precision("RK3588", options(RK3588), "w16a16i_dfp")
     with pytest.raises(NpuforgeError, match="cannot build precision 'w16a16i_dfp'"):
-        rknn.check_precision("RK3576", {"target_platform": "rk3576"}, "w16a16i_dfp")
-    assert "rk9999" in rknn.unavailable_reason("native", {"target_platform": "rk9999"})
-    assert rknn.unavailable_reason("native", RK3588) is None
+        rknn.check_precision("RK3576", options({"target_platform": "rk3576"}), "w16a16i_dfp")
+    with pytest.raises(NpuforgeError, match="rk9999"):
+        options({"target_platform": "rk9999"})
+    assert rknn.unavailable_reason("native", options(RK3588)) is None
 
 
 def test_float16_selection_is_checked():
-    keep = {**RK3588, "float16": {"w8a8": {"except_op_types": ["Conv", "Conv"]}}}
+    keep = options({**RK3588, "float16": {"w8a8": {"except_op_types": ["Conv", "Conv"]}}})
     assert rknn.float16_selection(keep, "w8a8") == {"except_op_types": ["Conv"]}
     assert rknn.float16_selection(keep, "fp16") is None
     assert rknn.float16_selection(keep, "w16a16i_dfp") is None
-    assert rknn.float16_selection(RK3588, "w8a8") is None
+    assert rknn.float16_selection(options(RK3588), "w8a8") is None
     bad = [
         ({"w8a16": {"op_types": ["Conv"]}}, "must map quantized precisions"),
         ({"w8a8": {"op_types": ["Conv"], "except_op_types": ["Mul"]}}, "must be {op_types"),
@@ -260,9 +282,10 @@ def test_float16_selection_is_checked():
     ]
     for table, message in bad:
         with pytest.raises(NpuforgeError, match=message):
-            rknn.float16_selection({**RK3588, "float16": table}, "w8a8")
+            rknn.float16_selection(options({**RK3588, "float16": table}), "w8a8")
     with pytest.raises(NpuforgeError, match="set only one"):
-        rknn.float16_selection({**keep, "auto_hybrid": True}, "w8a8")
+        table = {"w8a8": {"except_op_types": ["Conv"]}}
+        rknn.float16_selection(options({**RK3588, "float16": table, "auto_hybrid": True}), "w8a8")
 
 
 # --------------------------------------------------------------------------- compile flow
@@ -286,17 +309,17 @@ def test_failed_job_leaves_no_artifact_and_one_line(export_dir, tmp_path):
         raise NpuforgeError("rknn job failed in the native toolchain: error: build failed")
 
     with pytest.raises(NpuforgeError, match="build failed"):
-        rknn.compile_rknn(
+        compile_rknn(
             [export_dir], None, "RK3588", RK3588, "fp16", stamp, out, job_runner=failing_runner
         )
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
     with pytest.raises(NpuforgeError, match="needs calibration samples"):
-        rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "w8a8", stamp, out)
+        compile_rknn([export_dir], None, "RK3588", RK3588, "w8a8", stamp, out)
     with pytest.raises(NpuforgeError, match="toolchain stamp .* is missing"):
-        rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", tmp_path / "no", out)
+        compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", tmp_path / "no", out)
     with pytest.raises(NpuforgeError, match="memory budget"):
-        rknn.compile_rknn(
+        compile_rknn(
             [export_dir], None, "RK3588", {**RK3588, "memory_budget_gb": 1e-6}, "fp16", stamp, out
         )
     assert not out.exists()
@@ -350,10 +373,12 @@ def _digests(out: Path) -> dict:
 @pytest.mark.toolchain
 def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_path, monkeypatch):
     first, second = tmp_path / "a", tmp_path / "b-at-a-longer-path"
-    record = rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, first)
+    record = compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, first)
     figures = record["verification"]
-    assert figures["steps"] == 32 and figures["nan_inf"] == 0
+    assert figures["positions"] == 32 and figures["nan_inf"] == 0 and figures["passed"]
     assert figures["cosine"] >= 0.9999
+    assert figures["text"]["tokenizer"]["kind"] == "rwkv-world"
+    assert abs(figures["perplexity"]["delta"]) < 0.01
     # Random synthetic weights give near-tied logits; fp16 may flip the odd argmax.
     assert figures["top1_agreement"] >= 0.9
     # Every op on the NPU: the decay's Exp became Elu + 1 (one per layer).
@@ -370,7 +395,7 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
     # The toolkit copies stale pointers into the file: the environment's size and the
     # output path moved them (9 and 8 bytes differed) before the job staged itself.
     monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
-    rknn.compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
+    compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
     assert _digests(first) == _digests(second)
 
 
@@ -383,11 +408,11 @@ def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
     # The quality gate is opened here so the figures can be inspected; the default
     # gate (0.999) makes compile_rknn fail with a one-line error instead.
     options = {**RK3588, "min_cosine": 0.0}
-    record = rknn.compile_rknn(
+    record = compile_rknn(
         [export_dir], calibration, "RK3588", options, "w8a8", toolchain, tmp_path / "out"
     )
     figures = record["verification"]
-    assert figures["nan_inf"] == 0 and figures["steps"] == 32
+    assert figures["nan_inf"] == 0 and figures["positions"] == 32
     # Sqrt/Div of the k normalisation would fall back in int8 without the rewrite.
     assert record["placement"]["cpu_fallback"] == 0
     assert record["options"]["calibration"]["zero_state"] is False
@@ -408,11 +433,11 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
     plain_options = {**RK3588, "min_cosine": 0.0}
     # Only the weight matmuls (Conv in the toolkit's graph) stay int8.
     options = {**plain_options, "float16": {"w8a8": {"except_op_types": ["Conv"]}}}
-    plain = rknn.compile_rknn(
+    plain = compile_rknn(
         [export_dir], calibration, "RK3588", plain_options, "w8a8", toolchain, tmp_path / "p"
     )
     first, second = tmp_path / "a", tmp_path / "b"
-    record = rknn.compile_rknn(
+    record = compile_rknn(
         [export_dir], calibration, "RK3588", options, "w8a8", toolchain, first
     )
     assert plain["options"]["float16"] is None
@@ -428,7 +453,7 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
     assert figures["cosine"] > plain["verification"]["cosine"]
     assert figures["cosine_mean"] > plain["verification"]["cosine_mean"]
 
-    again = rknn.compile_rknn(
+    again = compile_rknn(
         [export_dir], calibration, "RK3588", options, "w8a8", toolchain, second
     )
     assert _digests(first) == _digests(second)
@@ -442,10 +467,12 @@ def test_toolkit_failure_is_one_line(export_dir, toolchain, tmp_path):
     calibration = tmp_path / "calibration"
     make_calibration_samples(export_dir, calibration, samples=1, steps=4, seed=0)
     out = tmp_path / "out"
-    # rknn-toolkit2 itself rejects this inside the job.
-    options = {**RK3588, "quantized_algorithm": "no-such-algorithm"}
+    # rknn-toolkit2 itself fails inside the job: a sample its dataset lists is gone.
+    (calibration / "rknn" / "chunk0" / "sample0_0.npy").unlink()
+    options = RK3588
     with pytest.raises(NpuforgeError) as failure:
-        rknn.compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, out)
+        compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, out)
     message = str(failure.value)
-    assert "\n" not in message and "Invalid quantized_algorithm" in message
+    assert "\n" not in message and "rknn job failed in the native toolchain" in message
+    assert "sample0_0.npy" in message
     assert not out.exists()

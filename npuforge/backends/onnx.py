@@ -1,18 +1,45 @@
 """The reference backend: the fp32 ONNX graphs themselves, run by onnxruntime on the CPU.
 
-"Compiling" copies the export's graphs (and export.json, which a runtime needs
-to chain them) into the output directory, then checks the copies against the
-reference implementation with ``npuforge.verify``. Every vendor backend is
-compared with these graphs, so this target is the baseline of the matrix.
+"Compiling" copies the export's graphs (and export.json, which a runtime needs to
+chain them) into the output directory, then checks the copies over the held-out
+text against the family's own implementation on the checkpoint (BlinkDL's rwkv
+package, transformers): the same figures as every vendor backend
+(``npuforge.backends.base``), with that implementation as the reference. Every
+vendor backend is compared with these graphs, so this target is the baseline of
+the matrix.
 """
 
 import shutil
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
+from npuforge.backends import base
 from npuforge.errors import NpuforgeError
-from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
+from npuforge.fileio import atomic_path, sha256_file, write_json
 
+NAME = "onnx"
 PRECISIONS = ("fp32",)
+# The export must compute what the checkpoint's own implementation computes.
+FLOORS = {"fp32": {"min_cosine": 0.9999, "min_top1": 0.99, "max_perplexity_delta": 0.001}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options(base.CommonOptions):
+    """The reference target takes only the common options (verify_steps, floors)."""
+
+
+def check_target(target_id: str, options: Options, precisions) -> None:
+    unknown = sorted(set(precisions) - set(PRECISIONS))
+    if unknown:
+        raise NpuforgeError(
+            f"target {target_id}: the onnx reference builds {', '.join(PRECISIONS)}, not "
+            f"'{unknown[0]}'"
+        )
+
+
+def unavailable_reason(runtime: str, options: Options) -> str | None:
+    return None
 
 
 def _export_files(export_dir: Path, meta: dict) -> list[tuple[str, str, int | None]]:
@@ -27,68 +54,71 @@ def _export_files(export_dir: Path, meta: dict) -> list[tuple[str, str, int | No
     return files
 
 
-def compile_reference(
-    *, exports, checkpoint, target, target_options, precision, out_dir, steps=None
-) -> dict:
-    if precision not in PRECISIONS:
-        raise NpuforgeError(
-            f"the onnx reference target builds {', '.join(PRECISIONS)}, not '{precision}'"
-        )
-    if len(exports) != 1:
-        raise NpuforgeError("the onnx reference target takes one --export (the decode graphs)")
-    export_dir = Path(exports[0])
-    if not (export_dir / "export.json").is_file():
-        raise NpuforgeError(f"{export_dir} has no export.json; run the export step first")
-    meta = read_json(export_dir / "export.json")
-    if meta.get("dtype") != "fp32":
-        raise NpuforgeError(
-            f"{export_dir} holds {meta.get('dtype')} graphs; the reference needs dtype fp32"
-        )
-    steps = int(steps or target_options.get("verify_steps", 32))
+def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend interface
+    import numpy as np
 
-    with atomic_path(out_dir) as tmp:
+    from npuforge.verify import family_reference
+
+    if request.precision not in PRECISIONS:
+        raise NpuforgeError(
+            f"the onnx reference target builds {', '.join(PRECISIONS)}, not '{request.precision}'"
+        )
+    if request.checkpoint is None:
+        raise NpuforgeError("the onnx reference target needs --checkpoint (its reference)")
+    export = base.load_exports(request.exports, NAME, prefill=False)["decode"]
+    if export.meta.get("dtype") != "fp32":
+        raise NpuforgeError(
+            f"{export.dir} holds {export.meta.get('dtype')} graphs; the reference needs dtype fp32"
+        )
+    schedule = base.verification_schedule({"decode": export}, request.options.verify_steps)
+    text = base.verification_tokens(len(schedule), export, request.heldout)
+    ids = np.asarray(text["ids"][: len(schedule)], dtype=np.int64)[None, :]
+    expected, reference = family_reference(export.meta["family"], request.checkpoint, ids)
+    with atomic_path(request.out_dir) as tmp:
         tmp.mkdir()
         artifacts = []
-        for name, role, chunk in _export_files(export_dir, meta):
-            shutil.copyfile(export_dir / name, tmp / name)
+        for name, role, chunk in _export_files(export.dir, export.meta):
+            shutil.copyfile(export.dir / name, tmp / name)
             entry = {"file": name, "sha256": sha256_file(tmp / name), "role": role}
             if chunk is not None:
                 entry["chunk"] = chunk
             artifacts.append(entry)
-        if meta.get("embedding"):
+        if export.meta.get("embedding"):
             # The chain reads the table from beside export.json; the bundle ships it anyway.
-            name = meta["embedding"]["file"]
-            shutil.copyfile(export_dir / name, tmp / name)
-        figures = verify_against_reference(checkpoint, tmp, steps)
-        if meta.get("embedding"):
-            (tmp / meta["embedding"]["file"]).unlink()
+            name = export.meta["embedding"]["file"]
+            shutil.copyfile(export.dir / name, tmp / name)
+        shipped = base.Export(tmp, export.meta)
+        logits = base.reference_logits({"decode": shipped}, schedule, text["ids"])
+        if export.meta.get("embedding"):
+            (tmp / export.meta["embedding"]["file"]).unlink()
+        figures = base.fidelity(expected.reshape(len(schedule), -1), logits, text["ids"][1:])
+        verification = base.verification(
+            figures,
+            base.floors_for(FLOORS, request.options, request.precision),
+            schedule=schedule,
+            text=text["text"],
+            runner=f"onnxruntime {metadata.version('onnxruntime')} CPU, the shipped graphs",
+            reference=reference,
+        )
         record = {
-            "backend": "onnx",
-            "target": target,
-            "precision": precision,
+            "backend": NAME,
+            "target": request.target,
+            "precision": request.precision,
             "artifacts": artifacts,
-            "split": {"chunks": len(meta["graphs"]), "reason": "export chunks"},
-            "toolchain": {"runtime": "main", "versions": _versions()},
-            "verification": figures,
-            "options": dict(target_options),
+            "split": {"chunks": len(export.graphs), "reason": "export chunks"},
+            "toolchain": {
+                "runtime": "main",
+                "versions": {"onnxruntime": metadata.version("onnxruntime")},
+            },
+            "verification": verification,
+            "options": base.options_dict(request.options),
         }
         write_json(tmp / "compile.json", record)
-    return record
-
-
-def verify_against_reference(checkpoint, export_dir: Path, steps: int) -> dict:
-    from npuforge.verify import verify_export
-
-    report = verify_export([export_dir], checkpoint=checkpoint, steps=steps, reference="auto")
-    if report["nan_inf"]:
-        raise NpuforgeError(
-            f"the reference graphs gave {report['nan_inf']} NaN/inf logits over {steps} steps; "
-            "check the checkpoint and the export"
+        base.check_gate(
+            request.target,
+            request.precision,
+            verification,
+            "the export does not compute what the checkpoint does: check the checkpoint and "
+            "the export",
         )
-    return report
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    return {"onnxruntime": metadata.version("onnxruntime")}
+    return record

@@ -24,14 +24,14 @@ TOOLS = ("qnn-onnx-converter", "qnn-model-lib-generator", "qnn-context-binary-ge
 WEIGHT_BITS = {"a16w8": 8, "a16w4": 4}
 
 
-def sdk_root(target_options: dict | None = None) -> Path | None:
-    value = (target_options or {}).get("qnn_sdk_root") or os.environ.get("QNN_SDK_ROOT")
+def sdk_root(options=None) -> Path | None:
+    value = getattr(options, "qnn_sdk_root", None) or os.environ.get("QNN_SDK_ROOT")
     return Path(value) if value else None
 
 
-def unavailable_reason(runtime: str, target_options: dict) -> str | None:
+def unavailable_reason(runtime: str, options) -> str | None:
     """One line when the SDK route cannot run here; None when the SDK's tools are present."""
-    root = sdk_root(target_options)
+    root = sdk_root(options)
     if root is None:
         return (
             "the QNN SDK route needs the Qualcomm AI Engine Direct SDK, which is not "
@@ -52,12 +52,12 @@ def unavailable_reason(runtime: str, target_options: dict) -> str | None:
     return None
 
 
-def htp_config(target_options: dict, precision: str, graph_names: list[str]) -> dict:
+def htp_config(options, precision: str, graph_names: list[str]) -> dict:
     """The HTP backend-extension config for qnn-context-binary-generator."""
     graph = {
         "graph_names": list(graph_names),
-        "vtcm_mb": int(target_options.get("vtcm_mb", 8)),
-        "O": int(target_options.get("optimization_level", 3)),
+        "vtcm_mb": int(options.vtcm_mb),
+        "O": int(options.optimization_level),
     }
     if precision == "fp16":
         # Float graphs run in fp16 on the HTP: allow it to relax fp32 math.
@@ -66,8 +66,8 @@ def htp_config(target_options: dict, precision: str, graph_names: list[str]) -> 
         "graphs": [graph],
         "devices": [
             {
-                "soc_model": int(target_options["soc_model"]),
-                "dsp_arch": f"v{int(target_options['htp_arch'])}",
+                "soc_model": int(options.soc_model),
+                "dsp_arch": f"v{int(options.htp_arch)}",
                 "cores": [{"core_id": 0, "perf_profile": "burst", "rpc_control_latency": 100}],
             }
         ],
@@ -163,28 +163,28 @@ def _run(cmd, log_path):
         raise NpuforgeError(f"{Path(cmd[0]).name} failed (exit {done.returncode}): see {log_path}")
 
 
-def compile_sdk(
-    export_dirs, calibration_dir, target_id, target_options, precision, out_dir, *, log_path=None
-) -> dict:
+def compile_sdk(request, calibration_dir) -> dict:
     """Run the SDK's three tools per chunk; write <chunk>.bin files and compile.json."""
-    from npuforge.backends import qnn
+    from npuforge.backends.base import load_exports
 
-    reason = unavailable_reason("native", target_options)
+    options, precision, target_id = request.options, request.precision, request.target
+    reason = unavailable_reason("native", options)
     if reason:
         raise NpuforgeError(f"target {target_id}: {reason}")
-    root = sdk_root(target_options)
-    decode, prefill = qnn.split_exports(export_dirs)
-    if prefill:
+    root = sdk_root(options)
+    exports = load_exports(request.exports, "qnn")
+    if "prefill" in exports:
         raise NpuforgeError(
             "the QNN SDK route compiles decode graphs only: drop the prefill export"
         )
-    out_dir = Path(out_dir)
-    log_path = Path(log_path or out_dir.parent / f"{out_dir.name}.sdk.log")
+    decode = exports["decode"]
+    out_dir = request.out_dir
+    log_path = Path(request.log_path or out_dir.parent / f"{out_dir.name}.sdk.log")
     with atomic_path(out_dir) as staging:
         staging.mkdir()
         work = staging / "work"
         artifacts = []
-        for index, graph in enumerate(decode["graphs"]):
+        for index, graph in enumerate(decode.graphs):
             name = f"chunk{index}"
             chunk_work = work / name
             chunk_work.mkdir(parents=True)
@@ -194,7 +194,7 @@ def compile_sdk(
                 overrides = chunk_work / "quant_overrides.json"
                 write_json(overrides, quantization_overrides(graph, []))
             cpp = chunk_work / f"{name}.cpp"
-            onnx_path = decode["dir"] / graph["file"]
+            onnx_path = decode.dir / graph["file"]
             _run(
                 converter_command(root, onnx_path, cpp, precision, input_list, overrides), log_path
             )
@@ -204,7 +204,7 @@ def compile_sdk(
             )
             model_lib = chunk_work / "lib" / HOST / f"lib{name}.so"
             config = chunk_work / "htp_config.json"
-            write_json(config, htp_config(target_options, precision, [name]))
+            write_json(config, htp_config(options, precision, [name]))
             link = chunk_work / "htp_link.json"
             write_json(link, link_config(root, config))
             _run(context_command(root, model_lib, staging, name, link), log_path)
@@ -228,7 +228,7 @@ def compile_sdk(
             "split": {"chunks": len(artifacts), "reason": "export chunks"},
             "toolchain": {"runtime": "native", "versions": {"qnn_sdk_root": str(root)}},
             "verification": None,
-            "options": {"htp_config": htp_config(target_options, precision, ["chunk0"])},
+            "options": {"htp_config": htp_config(options, precision, ["chunk0"])},
         }
         version_file = root / "sdk.yaml"
         if version_file.is_file():

@@ -1,48 +1,38 @@
 """Rockchip RK3588 / RK3576 backend: .rknn per graph chunk from rknn-toolkit2, verified.
 
-For each chunk of a decode export this module
+The vendor steps, per chunk of a decode export (the rest is ``npuforge.backends.base``):
 
-1. rewrites the ONNX graph so that every op stays on the NPU and clear of a
-   compiler bug (``npuforge.backends.rknn_graph``),
-2. writes a JSON job spec and runs ``rknn_job.py`` in the rknn toolchain
-   environment (``npuforge.toolchain``: native venv or container), which builds
-   the ``.rknn``, exports it and runs the toolkit's simulator over the
-   verification steps in the same process,
-3. chains the chunks: chunk i's simulator reads the hidden outputs chunk i-1's
-   simulator produced, and every chunk carries its own recurrent state, so the
-   last chunk's logits are the whole compiled model's,
-4. compares them with onnxruntime fp32 on the source export and writes
-   ``compile.json`` (docs/interfaces.md) with the figures, the op placement
-   (CPU-fallback count) and how the model was split.
+1. rewrite the ONNX graph so that every op stays on the NPU and clear of a
+   compiler bug (``npuforge.backends.rknn_graph``);
+2. write a job spec and run ``npuforge/jobs/rknn_job.py`` in the rknn toolchain,
+   which builds the ``.rknn``, exports it and runs the toolkit's simulator over the
+   verification steps in the same process (the simulator cannot load an exported
+   file);
+3. chain the chunks: chunk i's simulator reads the hidden outputs chunk i-1's
+   simulator produced, each chunk carrying its own recurrent state, so the last
+   chunk's logits are the whole compiled model's; ``compile.json`` adds the op
+   placement (CPU-fallback count) and how the model was split.
 
-Reproducible bytes: rknn-toolkit2 writes heap memory it allocated but never
-initialised (fixed by glibc's ``MALLOC_PERTURB_``: 0xaa for 85) and stale pointers
-from struct padding into the .rknn file. The pointers follow the process's memory
-layout, so ``rknn_job.py`` re-executes itself with randomisation off, one malloc
-arena, one CPU, a fixed environment, and from a fixed-path staging directory that
-hides where the checkout, the inputs and the toolchain live (compile.json:
-``aslr_disabled``, ``site_packages``). What it cannot hide is the interpreter
-binary: a native venv and an image with a different Python build differ in about
-15-30 bytes at the start of each file, all inside that padding.
-Containers need ``--security-opt seccomp=unconfined`` (or a profile allowing
-``personality(ADDR_NO_RANDOMIZE)``) for that.
+Reproducible bytes: see ``npuforge/jobs/pinned.py`` (rknn-toolkit2 writes
+uninitialised heap bytes and stale pointers into the .rknn).
 
-No heavy imports at module level: the toolchain module imports this one while
-Snakemake parses the workflow.
+No heavy imports at module level: the registry imports this module while the
+workflow parses.
 """
 
 import math
 import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from npuforge.backends import base
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
-from npuforge.verify import logits_agreement
 
-BACKEND = "rknn"
-JOB_SCRIPT = Path(__file__).with_name("rknn_job.py")
+NAME = "rknn"
+JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "rknn_job.py"
 # What rknn-toolkit2 2.5.0 builds for each platform (checked by compiling).
 PLATFORM_PRECISIONS = {
     "rk3588": ("fp16", "w8a8", "w16a16i_dfp"),
@@ -50,52 +40,81 @@ PLATFORM_PRECISIONS = {
 }
 PRECISIONS = ("fp16", "w8a8", "w16a16i", "w16a16i_dfp")
 QUANTIZED_ALGORITHMS = ("normal", "mmse", "kl_divergence")
-# Lowest acceptable logits cosine, simulator vs onnxruntime fp32 (issue 4).
-MIN_COSINE = {"fp16": 0.9999, "w8a8": 0.999, "w16a16i": 0.9999, "w16a16i_dfp": 0.9999}
-# glibc fills fresh heap blocks with ~85 = 0xaa: the toolkit's uninitialised bytes
-# become a fixed pattern, so two compiles give the same file.
-MALLOC_PERTURB = "85"
+# The simulator check's floors against onnxruntime fp32 (see npuforge.backends.base).
+FLOORS = {
+    "fp16": {"min_cosine": 0.9999},
+    "w8a8": {"min_cosine": 0.999},
+    "w16a16i": {"min_cosine": 0.9999},
+    "w16a16i_dfp": {"min_cosine": 0.9999},
+}
 # Peak compile memory per parameter, measured by bench/bench_rknn.py: 0.93 GB peak
 # RSS for a 20.3M-parameter RWKV-7 chunk, fp16 (46 bytes/param, the toolkit's own
 # ~0.4 GB baseline included, so larger chunks come out conservative).
 COMPILE_BYTES_PER_PARAM = {"fp16": 46.0, "w8a8": 46.0, "w16a16i": 46.0, "w16a16i_dfp": 46.0}
 # rknn-toolkit2 2.5.0 ships cp36..cp312 wheels for x86_64 and aarch64 Linux.
 PYTHONS = ((3, 6), (3, 12))
+FLOAT16_KEYS = ("op_types", "except_op_types")
 
 
-def platform_of(target_options: dict) -> str:
-    name = str(target_options.get("target_platform", "")).lower()
-    if name not in PLATFORM_PRECISIONS:
-        raise NpuforgeError(
-            f"target_platform '{name}' is not one this backend knows: use one of "
-            f"{', '.join(sorted(PLATFORM_PRECISIONS))} in the target's options"
-        )
-    return name
+@dataclass(frozen=True, kw_only=True)
+class Options(base.CommonOptions):
+    """RKNN target options (config/targets.yaml ``options``)."""
+
+    target_platform: str
+    optimization_level: int = 3
+    # Compile memory one chunk may take; the export must have enough chunks.
+    memory_budget_gb: float = 8.0
+    quantized_algorithm: str = "normal"
+    # Hybrid quantization: {precision: {op_types: [...]} or {except_op_types: [...]}}.
+    float16: dict | None = None
+    # The toolkit's own hybrid search (layers below the cosine threshold stay float16).
+    auto_hybrid: bool = False
+    auto_hybrid_cos_thresh: float | None = None
+
+    def __post_init__(self):
+        if self.target_platform.lower() not in PLATFORM_PRECISIONS:
+            raise NpuforgeError(
+                f"target_platform '{self.target_platform}' is not one this backend knows: use "
+                f"one of {', '.join(sorted(PLATFORM_PRECISIONS))} in the target's options"
+            )
+        if self.quantized_algorithm not in QUANTIZED_ALGORITHMS:
+            raise NpuforgeError(
+                f"quantized_algorithm '{self.quantized_algorithm}' is not one of "
+                f"{', '.join(QUANTIZED_ALGORITHMS)}"
+            )
+
+    @property
+    def platform(self) -> str:
+        return self.target_platform.lower()
 
 
-def check_precision(target: str, target_options: dict, precision: str) -> None:
-    supported = PLATFORM_PRECISIONS[platform_of(target_options)]
+def check_target(target_id: str, options: Options, precisions) -> None:
+    """Every precision the registry lists must be one the platform builds (parse time)."""
+    for precision in precisions:
+        check_precision(target_id, options, precision)
+        float16_selection(options, precision)
+
+
+def check_precision(target: str, options: Options, precision: str) -> None:
+    supported = PLATFORM_PRECISIONS[options.platform]
     if precision not in supported:
         raise NpuforgeError(
-            f"{target} ({platform_of(target_options)}) cannot build precision '{precision}': "
+            f"{target} ({options.platform}) cannot build precision '{precision}': "
             f"choose one of {', '.join(supported)}"
         )
 
 
-FLOAT16_KEYS = ("op_types", "except_op_types")
-
-
-def float16_selection(target_options: dict, precision: str) -> dict | None:
+def float16_selection(options: Options, precision: str) -> dict | None:
     """What hybrid quantization keeps in float16 for ``precision`` (option ``float16``).
 
     ``float16: {<precision>: {op_types: [...]}}`` keeps the outputs of those
     rknn-toolkit2 op types (as its layer table names them: Conv, exNorm, Mul, ...)
     in float16; ``{except_op_types: [...]}`` keeps everything else in float16.
     """
-    table = target_options.get("float16")
+    table = options.float16
     if table is None or precision == "fp16":
         return None
-    quantized = [p for p in PLATFORM_PRECISIONS[platform_of(target_options)] if p != "fp16"]
+    quantized = [p for p in PLATFORM_PRECISIONS[options.platform] if p != "fp16"]
     if not isinstance(table, dict) or not set(table) <= set(quantized):
         raise NpuforgeError(
             f"option float16 must map quantized precisions ({', '.join(quantized)}) to "
@@ -115,7 +134,7 @@ def float16_selection(target_options: dict, precision: str) -> dict | None:
             f"option float16.{precision}.{key} must be a non-empty list of rknn-toolkit2 op "
             f"types (e.g. [Conv]), got {types!r}"
         )
-    if target_options.get("auto_hybrid"):
+    if options.auto_hybrid:
         raise NpuforgeError(
             "options auto_hybrid and float16 both choose the float16 layers: set only one"
         )
@@ -131,12 +150,8 @@ def plan_chunks(n_params: int, precision: str, memory_budget_gb: float) -> int:
     return max(1, math.ceil(n_params * per_param / budget))
 
 
-def unavailable_reason(runtime: str, target_options: dict) -> str | None:
+def unavailable_reason(runtime: str, options: Options) -> str | None:
     """Why rknn jobs cannot run here (one line), or None. Cheap: no imports, no processes."""
-    try:
-        platform_of(target_options)
-    except NpuforgeError as err:
-        return str(err)
     if runtime == "native":
         if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
             return (
@@ -153,73 +168,33 @@ def unavailable_reason(runtime: str, target_options: dict) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- inputs
+# --------------------------------------------------------------------------- job spec
 
 
-def _load_export(path) -> dict:
-    meta_path = Path(path) / "export.json"
-    if not meta_path.is_file():
-        raise NpuforgeError(f"{path}: no export.json; run export_onnx.py first")
-    meta = read_json(meta_path)
-    if meta.get("variant") != "decode" or meta.get("batch") != 1:
-        raise NpuforgeError(
-            f"{path}: the rknn backend compiles a batch-1 decode export, got "
-            f"{meta.get('variant')} batch {meta.get('batch')}; export with --variant decode"
-        )
-    return meta
-
-
-def _param_count(export_dir: Path, meta: dict) -> int:
+def _param_count(export: base.Export) -> int:
     import onnx
 
     total = 0
-    for graph in meta["graphs"]:
-        model = onnx.load(str(export_dir / graph["file"]), load_external_data=False)
+    for graph in export.graphs:
+        model = onnx.load(str(export.dir / graph["file"]), load_external_data=False)
         for init in model.graph.initializer:
             total += math.prod(init.dims)
     return total
 
 
-def reference_run(export_dir, tokens):
-    """onnxruntime fp32 over ``tokens``: (per-chunk fed inputs per step, logits per step)."""
-    import numpy as np
-
-    from npuforge.runtime import GraphChain
-
-    fed = {}
-
-    def capture(index, feeds):
-        for name, value in feeds.items():
-            fed.setdefault((index, name), []).append(np.array(value, copy=True))
-
-    chain = GraphChain(export_dir, capture=capture)
-    logits = [chain.step(np.asarray([[t]], dtype=np.int64)) for t in tokens]
-    stacked = {key: np.stack(values) for key, values in fed.items()}
-    return stacked, np.stack(logits)
-
-
-def verification_figures(reference, compiled) -> dict:
-    """Logits agreement over steps (see npuforge.verify.logits_agreement)."""
-    figures = logits_agreement(reference, compiled)
-    return {"steps": int(reference.shape[0]), "reference": "onnxruntime fp32", **figures}
-
-
-def build_spec(graph, chunk, paths, target_options, precision, dataset, steps) -> dict:
-    """The job spec of one chunk (everything absolute; see rknn_job.py)."""
+def build_spec(graph, chunk, paths, options: Options, precision, dataset, steps) -> dict:
+    """The job spec of one chunk (everything absolute; see npuforge/jobs/rknn_job.py)."""
     return {
         "onnx": str(paths["onnx"]),
         "rknn": str(paths["rknn"]),
-        "target_platform": platform_of(target_options),
+        "target_platform": options.platform,
         "precision": precision,
-        "quantized_algorithm": str(target_options.get("quantized_algorithm", "normal")),
-        "optimization_level": int(target_options.get("optimization_level", 3)),
+        "quantized_algorithm": options.quantized_algorithm,
+        "optimization_level": int(options.optimization_level),
         "dataset": str(dataset) if dataset else None,
-        # The toolkit's automatic hybrid quantization: layers whose int8 output falls
-        # below the cosine threshold against float stay in fp16.
-        "auto_hybrid": bool(target_options.get("auto_hybrid", False)),
-        "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
-        # Hybrid quantization: these op types' outputs (or all but these) stay float16.
-        "float16": float16_selection(target_options, precision),
+        "auto_hybrid": bool(options.auto_hybrid),
+        "auto_hybrid_cos_thresh": options.auto_hybrid_cos_thresh,
+        "float16": float16_selection(options, precision),
         "hybrid_dir": str(paths["hybrid_dir"]),
         "inputs": [
             {k: spec[k] for k in ("name", "shape", "role", "output") if k in spec}
@@ -237,70 +212,43 @@ def build_spec(graph, chunk, paths, target_options, precision, dataset, steps) -
     }
 
 
-def _default_job_runner(stamp_path, spec_path, read_only, writable, log_path):
-    from npuforge import toolchain
-
-    return toolchain.run_job(
-        stamp_path,
-        JOB_SCRIPT,
-        spec_path,
-        read_only=read_only,
-        writable=writable,
-        env={"MALLOC_PERTURB_": MALLOC_PERTURB, "OMP_NUM_THREADS": "1"},
-        log_path=log_path,
-    )
+# --------------------------------------------------------------------------- compile
 
 
-def compile_rknn(
-    export_dirs,
-    calibration_dir,
-    target,
-    target_options,
-    precision,
-    toolchain_stamp,
-    out_dir,
-    *,
-    log_path=None,
-    job_runner=None,
-) -> dict:
+def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend interface
     """Compile every chunk of the decode export to .rknn, verify, write ``compile.json``."""
     import numpy as np
 
     from npuforge.backends.rknn_graph import rewrite_file
-    from npuforge.calibration import heldout_tokens, read_calibration
-    from npuforge.toolchain import read_stamp
+    from npuforge.calibration import calibrations_by_variant, read_calibration
 
-    target_options = dict(target_options or {})
-    check_precision(target, target_options, precision)
-    float16 = float16_selection(target_options, precision)
-    if len(export_dirs) != 1:
+    options, precision, target = request.options, request.precision, request.target
+    check_precision(target, options, precision)
+    float16 = float16_selection(options, precision)
+    export = base.load_exports(request.exports, NAME, prefill=False)["decode"]
+    if int(export.meta.get("batch", 1)) != 1:
         raise NpuforgeError(
-            f"the rknn backend compiles one decode export, got {len(export_dirs)}; "
-            "remove the prefill variant from the target's export options"
+            f"{export.dir}: the rknn backend compiles a batch-1 decode export; export with batch 1"
         )
-    export_dir = Path(export_dirs[0]).resolve()
-    meta = _load_export(export_dir)
     quantized = precision != "fp16"
-    calibration = None
+    calibration_dir = calibration = None
     if quantized:
+        calibration_dir = calibrations_by_variant(request.calibrations).get("decode")
         if not calibration_dir:
             raise NpuforgeError(f"{precision} needs calibration samples: pass --calibration DIR")
         calibration_dir = Path(calibration_dir).resolve()
         calibration = read_calibration(calibration_dir)
-        if len(calibration["chunks"]) != len(meta["graphs"]):
+        if len(calibration["chunks"]) != len(export.graphs):
             raise NpuforgeError(
                 f"calibration in {calibration_dir} has {len(calibration['chunks'])} chunks, the "
-                f"export {len(meta['graphs'])}; recreate the samples for this export"
+                f"export {len(export.graphs)}; recreate the samples for this export"
             )
-    if not toolchain_stamp:
-        raise NpuforgeError("no toolchain given: pass --toolchain results/toolchains/rknn-*.json")
-    stamp = read_stamp(toolchain_stamp)
-    runner = job_runner or _default_job_runner
+    stamp = base.read_toolchain(request.toolchain, NAME)
 
-    n_params = _param_count(export_dir, meta)
-    budget_gb = float(target_options.get("memory_budget_gb", 8))
+    n_params = _param_count(export)
+    budget_gb = float(options.memory_budget_gb)
     needed = plan_chunks(n_params, precision, budget_gb)
-    chunks = len(meta["graphs"])
+    chunks = len(export.graphs)
     if chunks < needed:
         raise NpuforgeError(
             f"{n_params / 1e6:.0f}M parameters in {chunks} chunk(s) need about "
@@ -308,11 +256,21 @@ def compile_rknn(
             f"over the {budget_gb:g} GB memory budget: export at least {needed} chunks "
             "(targets.yaml chunk_policy) or raise memory_budget_gb"
         )
-    steps = int(target_options.get("verify_steps", 32))
-    tokens = heldout_tokens(steps, meta["vocab_size"])
-    fed, reference_logits = reference_run(export_dir, tokens)
+    exports = {"decode": export}
+    schedule = base.verification_schedule(exports, options.verify_steps)
+    steps = len(schedule)
+    text = base.verification_tokens(
+        steps, export, request.heldout, [calibration_dir] if calibration_dir else []
+    )
+    fed = {}
 
-    out_dir = Path(out_dir).resolve()
+    def capture(variant, index, feeds):
+        for name, value in feeds.items():
+            fed.setdefault((index, name), []).append(np.array(value, copy=True))
+
+    reference = base.reference_logits(exports, schedule, text["ids"], capture)
+
+    out_dir = request.out_dir.resolve()
     with atomic_path(out_dir) as staging:
         staging.mkdir(parents=True)
         work = staging / "work"
@@ -321,11 +279,11 @@ def compile_rknn(
         site_packages = set()
         previous_outputs = {}
         logits = None
-        for index, graph in enumerate(meta["graphs"]):
+        for index, graph in enumerate(export.graphs):
             chunk_work = work / f"chunk{index}"
             chunk_work.mkdir()
             onnx_path = chunk_work / "model.onnx"
-            rewrites.append({"chunk": index, **rewrite_file(export_dir / graph["file"], onnx_path)})
+            rewrites.append({"chunk": index, **rewrite_file(export.dir / graph["file"], onnx_path)})
             feeds = {}
             for spec in graph["inputs"]:
                 if spec["role"] == "state":
@@ -334,7 +292,7 @@ def compile_rknn(
                 if spec["role"] == "hidden":
                     value = previous_outputs[spec["name"][: -len("_in")] + "_out"]
                 else:
-                    value = fed[(index, spec["name"])]
+                    value = np.stack(fed[(index, spec["name"])])
                 np.save(path, value)
                 feeds[spec["name"]] = path
             save = {
@@ -354,15 +312,22 @@ def compile_rknn(
             dataset = None
             if quantized:
                 dataset = calibration_dir / calibration["chunks"][index]["rknn"]["dataset"]
-            spec = build_spec(graph, index, paths, target_options, precision, dataset, steps)
+            spec = build_spec(graph, index, paths, options, precision, dataset, steps)
             spec_path = chunk_work / "spec.json"
             write_json(spec_path, spec)
-            read_only = [export_dir] + ([calibration_dir] if calibration_dir else [])
+            read_only = [export.dir] + ([calibration_dir] if calibration_dir else [])
             try:
-                runner(toolchain_stamp, spec_path, read_only, [staging], log_path)
+                base.run_job(
+                    request,
+                    JOB_SCRIPT,
+                    spec_path,
+                    read_only=read_only,
+                    writable=[staging],
+                    env={"MALLOC_PERTURB_": "85", "OMP_NUM_THREADS": "1"},
+                )
             finally:
-                if log_path and paths["build_log"].is_file():
-                    with open(log_path, "a", encoding="utf-8") as log:
+                if request.log_path and paths["build_log"].is_file():
+                    with open(request.log_path, "a", encoding="utf-8") as log:
                         log.write(paths["build_log"].read_text(errors="replace"))
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
@@ -386,18 +351,23 @@ def compile_rknn(
             )
         shutil.rmtree(work)
 
-        figures = verification_figures(reference_logits, logits)
-        floor = float(target_options.get("min_cosine", MIN_COSINE[precision]))
-        figures["min_cosine"] = floor
-        figures["inputs"] = "held-out text (data/calibration/heldout.txt), recurrent"
+        figures = base.fidelity(reference, logits, text["ids"][1:])
+        verification = base.verification(
+            figures,
+            base.floors_for(FLOORS, options, precision),
+            schedule=schedule,
+            text=text["text"],
+            runner=f"rknn-toolkit2 {stamp.get('versions', {}).get('rknn-toolkit2', '?')} "
+            "simulator, chunks chained",
+        )
         record = {
-            "backend": BACKEND,
+            "backend": NAME,
             "target": target,
             "precision": precision,
             "artifacts": artifacts,
             "split": {
                 "chunks": chunks,
-                "layers": [g.get("layers") for g in meta["graphs"]],
+                "layers": [g.get("layers") for g in export.graphs],
                 "parameters": n_params,
                 "chunks_needed_for_budget": needed,
                 "reason": (
@@ -406,50 +376,31 @@ def compile_rknn(
                     f"{chunks}"
                 ),
             },
-            "toolchain": {
-                "runtime": stamp.get("runtime"),
-                "versions": stamp.get("versions", {}),
-            },
-            "verification": figures,
+            "toolchain": base.toolchain_record(stamp),
+            "verification": verification,
             "placement": {
                 "cpu_fallback": sum(p["cpu_fallback"] for p in placements),
                 "chunks": placements,
             },
             "graph_rewrites": rewrites,
             "options": {
-                "target_platform": platform_of(target_options),
-                "optimization_level": int(target_options.get("optimization_level", 3)),
+                **base.options_dict(options),
                 "quantized_dtype": precision if quantized else None,
-                "quantized_algorithm": (
-                    str(target_options.get("quantized_algorithm", "normal")) if quantized else None
-                ),
-                "auto_hybrid": bool(target_options.get("auto_hybrid", False)) and quantized,
-                "auto_hybrid_cos_thresh": target_options.get("auto_hybrid_cos_thresh"),
                 # Which tensors stayed float16 and the hash of the toolkit's quantization config.
                 "float16": {"selection": float16, "chunks": hybrids} if float16 else None,
-                "malloc_perturb": int(MALLOC_PERTURB),
+                "malloc_perturb": 85,
                 "aslr_disabled": all(aslr_disabled),
                 # hard-linked: the bytes do not depend on where the toolchain lives.
                 "site_packages": ",".join(sorted(site_packages)),
-                "calibration": (
-                    {
-                        "samples": calibration["samples"],
-                        "steps": calibration["steps"],
-                        "seed": calibration["seed"],
-                        "zero_state": calibration.get("zero_state", False),
-                        "sha256": sha256_file(calibration_dir / "calibration.json"),
-                    }
-                    if calibration
-                    else None
-                ),
+                "calibration": base.calibration_summary(calibration_dir) if quantized else None,
             },
         }
         write_json(staging / "compile.json", record)
-        if figures["nan_inf"] or figures["cosine"] is None or figures["cosine"] < floor:
-            raise NpuforgeError(
-                f"{target} {precision}: simulator logits cosine {figures['cosine']} "
-                f"(nan/inf {figures['nan_inf']}) is below {floor} against onnxruntime fp32 over "
-                f"{steps} steps; try quantized_algorithm kl_divergence, more calibration samples, "
-                "a float16 selection (option float16) or fp16"
-            )
+        base.check_gate(
+            target,
+            precision,
+            verification,
+            "try quantized_algorithm kl_divergence, more calibration samples, a float16 "
+            "selection (option float16) or fp16",
+        )
     return record

@@ -266,10 +266,11 @@ def verify(spec: dict) -> None:
                 state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
     rows = []
     for call in plan["calls"]:
-        net_plan = plan["nets"][call["net"]]
-        net = nets[call["net"]]
+        net_plan = plan["nets"][call["variant"]]
+        net = nets[call["variant"]]
         with np.load(call["feeds"]) as data:
-            feeds = {key: data[key] for key in data.files}
+            # One graph per net: its host-fed inputs are stored as chunk0/<input name>.
+            feeds = {key.split("/", 1)[-1]: data[key] for key in data.files}
         feeds.update({k: v for k, v in state.items() if k not in feeds})
         by_name = {tensor.name: tensor for tensor in net.inputs}
         for spec_in in net_plan["inputs"]:

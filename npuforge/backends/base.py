@@ -1,0 +1,504 @@
+"""What every vendor backend does the same way, written once.
+
+A compile step turns export directories into binaries and ``compile.json``:
+
+    load_exports ─► (backend: job spec ─► run_job in the toolchain ─► simulator logits)
+                 └► verification_schedule + reference_logits (onnxruntime fp32)
+                                   ▼
+                 fidelity ─► gate (floors per precision) ─► compile record
+
+A backend module (``npuforge.backends.<name>``) holds only its vendor steps and
+declares, besides ``compile(request)``: ``NAME``, ``Options`` (a dataclass of its
+target options, defaults written once), ``FLOORS`` (per precision) and
+``check_target`` (its chip table). ``npuforge.backends.BACKENDS`` lists them.
+
+Verification, identical for every backend: the binary runs on the vendor's
+simulator over held-out text (``data/calibration/heldout.txt``, tokenized by the
+model's own tokenizer: never calibration text), as one prefill call (when the
+target compiles a prefill graph) and then decode calls carrying the recurrent
+state or KV cache, and its logits are compared position by position with
+``npuforge.runtime.GraphChain`` (onnxruntime, fp32) on the source exports over
+the same calls. Figures: worst and mean cosine, max |Δ| / max |reference|,
+top-1 agreement, NaN/Inf count, and the perplexity of the text under the binary
+and under fp32 with its relative change.
+
+No heavy imports at module level: the registry imports backends at parse time.
+"""
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from npuforge.errors import NpuforgeError
+
+VARIANTS = ("decode", "prefill")
+# The floors a target may set per precision; a backend's FLOORS gives the defaults.
+FLOOR_KEYS = ("min_cosine", "min_top1", "max_perplexity_delta")
+HELDOUT_SOURCE = "data/calibration/heldout.txt"
+
+
+# --------------------------------------------------------------------------- request
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """Everything a compile step takes; every backend's ``compile`` reads only this."""
+
+    exports: tuple
+    target: str
+    options: typing.Any
+    precision: str
+    out_dir: Path
+    calibrations: tuple = ()
+    toolchain: Path | None = None
+    heldout: Path | None = None
+    # The fetched checkpoint: the onnx reference target checks its graphs against it.
+    checkpoint: Path | None = None
+    # RWKV state-tuned files shipped beside the binary (tpumlir).
+    state_files: tuple = ()
+    log_path: Path | None = None
+    job_runner: typing.Callable | None = None
+
+    def __post_init__(self):
+        paths = {"exports": self.exports, "calibrations": self.calibrations or ()}
+        paths["state_files"] = self.state_files or ()
+        for name, value in paths.items():
+            object.__setattr__(self, name, tuple(Path(p) for p in value))
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonOptions:
+    """Target options every backend takes; a backend's ``Options`` adds its own."""
+
+    # Positions of held-out text the simulator check covers (a prefill call included).
+    verify_steps: int = 32
+    # Floors overriding the backend's FLOORS: one number, or precision -> number.
+    min_cosine: float | dict | None = None
+    min_top1: float | dict | None = None
+    max_perplexity_delta: float | dict | None = None
+
+
+def parse_options(cls, mapping, target: str):
+    """The target's ``options`` mapping as the backend's Options dataclass.
+
+    An unknown key is an error naming the valid ones (a typo must not pass silently).
+    """
+    mapping = dict(mapping or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise NpuforgeError(
+            f"target {target}: unknown option {unknown[0]!r}; valid options: "
+            f"{', '.join(sorted(fields))}"
+        )
+    missing = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and name not in mapping
+    ]
+    if missing:
+        raise NpuforgeError(f"target {target}: options need {missing[0]!r}; add it in targets.yaml")
+    return cls(**mapping)
+
+
+def options_dict(options) -> dict:
+    """Options as the plain mapping they were given as, defaults filled in (for records)."""
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
+
+
+# --------------------------------------------------------------------------- exports
+
+
+@dataclass(frozen=True)
+class Export:
+    dir: Path
+    meta: dict = field(repr=False)
+
+    @property
+    def variant(self) -> str:
+        return self.meta.get("variant", "decode")
+
+    @property
+    def graphs(self) -> list:
+        return self.meta["graphs"]
+
+    @property
+    def tokens_per_call(self) -> int:
+        return int(self.meta.get("tokens_per_call", 1))
+
+
+def load_exports(export_dirs, backend: str, *, prefill: bool = True) -> dict:
+    """``{variant: Export}``: exactly one decode export and, if allowed, one prefill
+    export with the same number of chunks."""
+    from npuforge.fileio import read_json
+
+    if not export_dirs:
+        raise NpuforgeError("give at least one --export directory (the decode export)")
+    by_variant = {}
+    for directory in export_dirs:
+        directory = Path(directory).resolve()
+        meta_path = directory / "export.json"
+        if not meta_path.is_file():
+            raise NpuforgeError(f"{directory} has no export.json; run the export step first")
+        export = Export(directory, read_json(meta_path))
+        if export.variant not in VARIANTS:
+            raise NpuforgeError(f"{directory}: unknown export variant {export.variant!r}")
+        if export.variant in by_variant:
+            raise NpuforgeError(
+                f"two {export.variant} exports given ({by_variant[export.variant].dir}, "
+                f"{directory}): pass one --export per variant"
+            )
+        by_variant[export.variant] = export
+    if "decode" not in by_variant:
+        raise NpuforgeError(
+            f"no decode export among --export directories; the {backend} backend compiles "
+            "decode graphs"
+        )
+    if "prefill" in by_variant:
+        if not prefill:
+            raise NpuforgeError(
+                f"the {backend} backend compiles one decode export: remove the prefill variant "
+                "from the target's export options"
+            )
+        decode, pre = by_variant["decode"], by_variant["prefill"]
+        if len(pre.graphs) != len(decode.graphs):
+            raise NpuforgeError(
+                f"prefill export has {len(pre.graphs)} chunks but decode has "
+                f"{len(decode.graphs)}: export both with the same chunks"
+            )
+        if int(pre.meta.get("batch", 1)) != int(decode.meta.get("batch", 1)):
+            raise NpuforgeError(
+                "prefill and decode exports have different batch sizes; export them alike"
+            )
+    return {v: by_variant[v] for v in VARIANTS if v in by_variant}
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Call:
+    """One graph call of the verification run: ``tokens`` positions from ``position``."""
+
+    variant: str
+    position: int
+    tokens: int
+
+
+def verification_schedule(exports: dict, positions: int) -> list[Call]:
+    """One prefill call (with a prefill export), then decode calls up to ``positions``.
+
+    The run covers positions 0..positions-1 either way, so a check that fits the KV
+    cache by its position count fits it here too.
+    """
+    positions = int(positions)
+    if positions < 1:
+        raise NpuforgeError("verify_steps must be at least 1")
+    calls = []
+    if "prefill" in exports:
+        tokens = exports["prefill"].tokens_per_call
+        if positions <= tokens:
+            raise NpuforgeError(
+                f"verify_steps {positions} leaves no decode call after a {tokens}-token prefill; "
+                f"raise verify_steps above {tokens}"
+            )
+        calls.append(Call("prefill", 0, tokens))
+    start = calls[-1].tokens if calls else 0
+    calls += [Call("decode", p, 1) for p in range(start, positions)]
+    return calls
+
+
+def calls_per_variant(schedule) -> dict:
+    variants = [c.variant for c in schedule]
+    return {v: variants.count(v) for v in VARIANTS if v in variants}
+
+
+# --------------------------------------------------------------------------- held-out text
+
+
+def verification_tokens(count: int, export: Export, heldout=None, calibrations=()) -> dict:
+    """``count`` + 1 held-out token ids (the +1 scores the last position's prediction) and
+    where they come from.
+
+    ``heldout``: the model's held-out token file (``npuforge.heldout``), the workflow's
+    source. Without it: the ids a calibration.json recorded (the model's tokenizer),
+    else the held-out text tokenized for the export's family here (RWKV: the World
+    tokenizer; a tokenizer-less export: UTF-8 bytes, labelled so).
+    """
+    from npuforge import heldout as held
+
+    wanted = int(count) + 1
+    if heldout is not None:
+        record = held.read(heldout)
+        if len(record["ids"]) < wanted:
+            raise NpuforgeError(
+                f"{heldout} holds {len(record['ids'])} held-out tokens; the verification needs "
+                f"{wanted}: lower verify_steps or use a longer held-out text"
+            )
+        return {"ids": record["ids"][:wanted], "text": held.describe(record)}
+    return held.fallback_tokens(wanted, export.meta, calibrations)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_logits(exports: dict, schedule, ids, capture=None):
+    """``GraphChain`` (onnxruntime CPU) on the fp32 exports over ``schedule``: one row of
+    logits per position, ``[positions, batch * vocab]``; the prefill chain's state and
+    position go on to the decode chain. ``capture(variant, chunk, feeds)`` sees every
+    graph's feeds."""
+    import numpy as np
+
+    from npuforge.runtime import GraphChain
+
+    chains = {}
+    for variant, export in exports.items():
+        hook = None
+        if capture is not None:
+
+            def hook(index, feeds, variant=variant):
+                capture(variant, index, feeds)
+
+        chains[variant] = GraphChain(export.dir, capture=hook)
+    ids = np.asarray(ids, dtype=np.int64)
+    rows, previous = [], None
+    for call in schedule:
+        chain = chains[call.variant]
+        if previous is not None and chain is not previous:
+            chain.state = {k: previous.state[k].astype(v.dtype) for k, v in chain.state.items()}
+            chain.position = previous.position
+        call_ids = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
+        logits = chain.step(np.repeat(call_ids, chain.batch, axis=0))
+        rows.append(np.moveaxis(logits, 1, 0).reshape(logits.shape[1], -1))
+        previous = chain
+    return np.concatenate(rows)
+
+
+def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
+    """One ``.npz`` per call with every host-fed input of every chunk (``chunk{i}/{name}``),
+    from ``npuforge.runtime.host_feeds``: the simulator sees the same tokens, embedding rows
+    and family inputs (a KV cache's mask, RoPE rows, write slots) as onnxruntime."""
+    import numpy as np
+
+    from npuforge.export import read_embedding_bin
+    from npuforge.runtime import host_feeds
+
+    tables = {}
+    calls = []
+    ids = np.asarray(ids, dtype=np.int64)
+    for number, call in enumerate(schedule):
+        export = exports[call.variant]
+        if call.variant not in tables:
+            embedding = export.meta.get("embedding")
+            tables[call.variant] = (
+                read_embedding_bin(export.dir / embedding["file"]) if embedding else None
+            )
+        call_ids = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
+        call_ids = np.repeat(call_ids, int(export.meta.get("batch", 1)), axis=0)
+        arrays = {}
+        for index, graph in enumerate(export.graphs):
+            feeds = host_feeds(export.meta, graph, call_ids, call.position, tables[call.variant])
+            arrays.update({f"chunk{index}/{name}": value for name, value in feeds.items()})
+        path = Path(work_dir) / f"verify_call{number:04d}.npz"
+        np.savez(path, **arrays)
+        calls.append({"variant": call.variant, "position": call.position, "feeds": str(path)})
+    return calls
+
+
+def reference_name() -> str:
+    return (
+        f"onnxruntime {metadata.version('onnxruntime')} CPU, fp32 export graphs "
+        "(npuforge.runtime.GraphChain)"
+    )
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _log_softmax_at(logits, targets):
+    import numpy as np
+
+    top = logits.max(axis=-1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    return logits[np.arange(len(targets)), targets] - log_z
+
+
+def perplexity(logits, next_ids) -> float:
+    """exp(mean negative log-likelihood of ``next_ids[i]`` under row ``i``'s logits)."""
+    import numpy as np
+
+    logits = np.asarray(logits, dtype=np.float64)
+    return float(math.exp(-np.mean(_log_softmax_at(logits, np.asarray(next_ids)))))
+
+
+def fidelity(reference, compiled, next_ids=None) -> dict:
+    """The figures of ``compiled`` against ``reference`` logits, one row per position.
+
+    ``next_ids``: the token that follows each position in the text (batch 1), which
+    the perplexity scores; rows beyond it are left out of the perplexity only.
+    """
+    import numpy as np
+
+    ref = np.asarray(reference, dtype=np.float64)
+    rows = ref.shape[0]
+    ref = ref.reshape(rows, -1)
+    out = np.asarray(compiled, dtype=np.float64).reshape(rows, -1)
+    figures = {"positions": int(rows), "nan_inf": int((~np.isfinite(out)).sum())}
+    if figures["nan_inf"]:
+        figures.update(cosine=None, cosine_mean=None, max_abs_rel=None, top1_agreement=None)
+        figures["perplexity"] = None
+        return figures
+    dot = (out * ref).sum(-1)
+    norms = np.linalg.norm(out, axis=-1) * np.linalg.norm(ref, axis=-1)
+    cosine = dot / np.maximum(norms, 1e-30)
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    figures.update(
+        cosine=round(float(cosine.min()), 7),
+        cosine_mean=round(float(cosine.mean()), 7),
+        max_abs_rel=round(float(np.abs(out - ref).max() / scale), 7),
+        top1_agreement=round(float(np.mean(out.argmax(-1) == ref.argmax(-1))), 6),
+        perplexity=None,
+    )
+    if next_ids is not None and ref.shape[1] and len(next_ids):
+        scored = min(rows, len(next_ids))
+        targets = np.asarray(next_ids[:scored], dtype=np.int64)
+        vocab = ref.shape[1]
+        if targets.max() < vocab:
+            fp32 = perplexity(ref[:scored], targets)
+            binary = perplexity(out[:scored], targets)
+            figures["perplexity"] = {
+                "reference": round(fp32, 5),
+                "compiled": round(binary, 5),
+                "delta": round(binary / fp32 - 1.0, 6),
+                "positions": int(scored),
+            }
+    return figures
+
+
+# --------------------------------------------------------------------------- gate
+
+
+def floors_for(defaults: dict, options, precision: str) -> dict:
+    """The floors of ``precision``: the backend's defaults, overridden by the target's
+    options (``min_cosine``, ``min_top1``, ``max_perplexity_delta``: one number for
+    every precision, or a mapping precision -> number)."""
+    floors = dict(defaults.get(precision, {}))
+    for key in FLOOR_KEYS:
+        given = getattr(options, key, None)
+        if isinstance(given, dict):
+            given = given.get(precision)
+        if given is not None:
+            floors[key] = float(given)
+    return floors
+
+
+def gate(figures: dict, floors: dict) -> list[str]:
+    """What fails the floors, as short phrases (empty: passed). NaN/Inf always fails."""
+    if figures.get("nan_inf"):
+        return [f"{figures['nan_inf']} NaN/Inf logits"]
+    failures = []
+    if "min_cosine" in floors and not (figures.get("cosine") or -1) >= floors["min_cosine"]:
+        failures.append(f"logits cosine {figures.get('cosine')} < {floors['min_cosine']}")
+    if "min_top1" in floors and not (figures.get("top1_agreement") or 0) >= floors["min_top1"]:
+        failures.append(f"top-1 agreement {figures.get('top1_agreement')} < {floors['min_top1']}")
+    if "max_perplexity_delta" in floors:
+        ppl = figures.get("perplexity")
+        if ppl is None:
+            failures.append("no perplexity (the text's tokens do not fit the vocabulary)")
+        elif not ppl["delta"] <= floors["max_perplexity_delta"]:
+            failures.append(
+                f"perplexity {ppl['compiled']} vs fp32 {ppl['reference']} "
+                f"(+{ppl['delta']:.2%}) > +{floors['max_perplexity_delta']:.2%}"
+            )
+    return failures
+
+
+def verification(
+    figures: dict, floors: dict, *, schedule, text: dict, runner: str, reference=None
+) -> dict:
+    """The ``verification`` record every backend writes into compile.json."""
+    failures = gate(figures, floors)
+    return {
+        **figures,
+        "calls": calls_per_variant(schedule),
+        "text": text,
+        "reference": reference or reference_name(),
+        "runner": runner,
+        "floors": floors,
+        "passed": not failures,
+        "failures": failures,
+    }
+
+
+def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
+    """One line naming what failed and what to try, when the verification failed."""
+    if record["passed"]:
+        return
+    raise NpuforgeError(
+        f"{target} {precision}: the simulator check over {record['positions']} positions of "
+        f"held-out text failed ({'; '.join(record['failures'])}) against {record['reference']}; "
+        f"{fix}"
+    )
+
+
+# --------------------------------------------------------------------------- toolchain
+
+
+def read_toolchain(stamp_path, backend: str) -> dict:
+    from npuforge.toolchain import read_stamp
+
+    if not stamp_path:
+        raise NpuforgeError(
+            f"no toolchain given: pass --toolchain results/toolchains/{backend}-<runtime>.json"
+        )
+    return read_stamp(stamp_path)
+
+
+def toolchain_record(stamp: dict, extra_versions=None) -> dict:
+    return {
+        "runtime": stamp.get("runtime"),
+        "versions": {**stamp.get("versions", {}), **(extra_versions or {})},
+    }
+
+
+def run_job(request: CompileRequest, job_script, spec_path, *, read_only, writable, env=None):
+    """The job in the request's toolchain (or the request's own runner, for tests)."""
+    if request.job_runner is not None:
+        runner = request.job_runner
+        return runner(request.toolchain, spec_path, read_only, writable, request.log_path)
+    from npuforge import toolchain
+
+    return toolchain.run_job(
+        request.toolchain,
+        job_script,
+        spec_path,
+        read_only=read_only,
+        writable=writable,
+        env=env,
+        log_path=request.log_path,
+    )
+
+
+def calibration_summary(directory) -> dict:
+    """Which samples quantized a graph: counts and the sha256 of calibration.json."""
+    from npuforge.calibration import read_calibration
+    from npuforge.fileio import sha256_file
+
+    record = read_calibration(directory)
+    return {
+        "samples": record.get("samples"),
+        "steps": record.get("steps"),
+        "seed": record.get("seed"),
+        "zero_state": bool(record.get("zero_state", False)),
+        "tokens_per_call": record.get("tokens_per_call", 1),
+        "sha256": sha256_file(Path(directory) / "calibration.json"),
+    }
