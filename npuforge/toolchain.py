@@ -124,12 +124,15 @@ def unavailable_reason(backend: str, runtime: str, target_options=None) -> str |
 
 
 def _typed(module, target_options):
-    """A backend's typed Options from a target's options mapping (typed ones pass through)."""
-    if not hasattr(module, "Options") or isinstance(target_options, module.Options):
+    """A backend's typed Options from a target's options mapping (typed ones and None, for
+    a toolchain prepared without a target, pass through)."""
+    if target_options is None or not hasattr(module, "Options"):
+        return target_options
+    if isinstance(target_options, module.Options):
         return target_options
     from npuforge.backends.base import parse_options
 
-    return parse_options(module.Options, target_options, f"the {module.NAME} target")
+    return parse_options(module.Options, target_options, f"{module.NAME} target options")
 
 
 def _native_base_python(backend: str, target_options) -> str:

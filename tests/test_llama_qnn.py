@@ -9,9 +9,9 @@ fails the build (the corrupted-feed cases show it can).
 
 import numpy as np
 import pytest
-from test_qnn import SM8650, qnn_stamp  # noqa: F401  (the toolchain fixture, with its skip)
+from test_qnn import SM8650, compile_qnn, qnn_stamp  # noqa: F401  (the toolchain fixture)
 
-from npuforge.backends import qnn
+from npuforge.backends import base
 from npuforge.errors import NpuforgeError
 from npuforge.models import llama
 
@@ -35,7 +35,7 @@ def exports(tmp_path_factory):
 def _compile(exports, stamp, name, prefill=False):
     dirs = [exports / "decode"] + ([exports / "prefill"] if prefill else [])
     out = exports / name
-    return out, qnn.compile_qnn(dirs, None, "SM8650", SM8650, "fp16", stamp, out)
+    return out, compile_qnn(dirs, None, "SM8650", SM8650, "fp16", stamp, out)
 
 
 @pytest.mark.toolchain
@@ -44,7 +44,7 @@ def test_sha_llama_fp16_verifies_on_the_htp_simulator(exports, qnn_stamp):  # no
 
     out, manifest = _compile(exports, qnn_stamp, "fp16")
     figures = manifest["verification"]
-    assert figures["passed"] and figures["steps"] == 32 and figures["calls"] == {"decode": 32}
+    assert figures["passed"] and figures["positions"] == 32 and figures["calls"] == {"decode": 32}
     assert figures["nan_inf"] == 0 and figures["cosine"] >= 0.9999
     assert figures["top1_agreement"] == 1.0
     # The job's own CPU run saw the same inputs as npuforge's runner.
@@ -62,22 +62,23 @@ def test_prefill_then_decode_shares_one_context_and_verifies(exports, qnn_stamp)
     out, manifest = _compile(exports, qnn_stamp, "fp16-prefill", prefill=True)
     figures = manifest["verification"]
     # One 8-token prefill call, then decode calls to 32 tokens: 32 compared rows.
-    assert figures["calls"] == {"decode": 24, "prefill": 1} and figures["steps"] == 32
+    assert figures["calls"] == {"decode": 24, "prefill": 1} and figures["positions"] == 32
     assert figures["passed"] and figures["cosine"] >= 0.9999
     for chunk in manifest["options"]["chunks"]:
         assert chunk["weight_sharing"]["one_context"]
 
 
 def _corrupting(role, original):
-    """write_verification_feeds, with ``role``'s inputs replaced by wrong values."""
+    """base.write_call_feeds, with ``role``'s inputs replaced by wrong values."""
 
     def wrong(meta, spec, position):
         if role == "mask":
             return np.zeros(spec["shape"], dtype=spec["dtype"])  # every slot visible
         return llama.extra_inputs(meta, spec, position + 1)  # off by one position
 
-    def write(decode, prefill, tokens, work_dir):
-        calls = original(decode, prefill, tokens, work_dir)
+    def write(exports, schedule, tokens, work_dir):
+        calls = original(exports, schedule, tokens, work_dir)
+        decode = exports["decode"].meta
         specs = {
             f"chunk{index}/{item['name']}": item
             for index, graph in enumerate(decode["graphs"])
@@ -99,10 +100,8 @@ def _corrupting(role, original):
 @pytest.mark.toolchain
 @pytest.mark.parametrize("role", ["mask", "rope_cos", "rope_sin"])
 def test_wrong_host_feeds_fail_the_gate(exports, qnn_stamp, monkeypatch, role):  # noqa: F811
-    monkeypatch.setattr(
-        qnn, "write_verification_feeds", _corrupting(role, qnn.write_verification_feeds)
-    )
-    with pytest.raises(NpuforgeError, match="simulator check failed"):
+    monkeypatch.setattr(base, "write_call_feeds", _corrupting(role, base.write_call_feeds))
+    with pytest.raises(NpuforgeError, match="simulator check over 32 positions .* failed"):
         _compile(exports, qnn_stamp, f"wrong-{role}")
     assert not (exports / f"wrong-{role}").exists()
 
@@ -122,7 +121,7 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
     )
     captured = [run["capture_step"] for run in record["runs"]]
     assert min(captured) < steps // 4 and max(captured) < steps
-    meta = qnn.split_exports([exports / "decode"])[0]
+    meta = base.load_exports([exports / "decode"], "qnn")["decode"].meta
     for index in (0, 1):
         inputs = record["chunks"][index]["inputs"]
         for k, item in enumerate(inputs):

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,18 @@ import qnn_fixtures
 import yaml
 from conftest import script_env
 
-from npuforge.backends import qnn, qnn_job
+from npuforge.backends import base, qnn, qnn_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import sha256_file
+from npuforge.jobs import qnn_job
 
 REPO = Path(__file__).resolve().parents[1]
-SM8650 = {"htp_arch": 75, "soc_model": 57, "vtcm_mb": 8, "verify_steps": 32}
-SM8550 = {"htp_arch": 73, "soc_model": 43, "vtcm_mb": 8, "verify_steps": 32}
+SM8650 = qnn.Options(htp_arch=75, soc_model=57, vtcm_mb=8, verify_steps=32)
+SM8550 = qnn.Options(htp_arch=73, soc_model=43, vtcm_mb=8, verify_steps=32)
+
+
+def qnn_options(**fields) -> qnn.Options:
+    return qnn.Options(**{"soc_model": 0, **fields})
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -46,11 +52,11 @@ def test_plan_chunks_keeps_each_context_under_budget():
 
 
 def test_v68_refuses_fp16_in_one_line_naming_soc_and_support():
-    problem = qnn.precision_problem("SM8350", {"htp_arch": 68, "soc_model": 30}, "fp16")
+    problem = qnn.precision_problem("SM8350", qnn_options(htp_arch=68, soc_model=30), "fp16")
     assert problem is not None and "\n" not in problem
     assert "SM8350" in problem and "v68" in problem and "a16w8" in problem
-    assert qnn.precision_problem("SM8350", {"htp_arch": 68}, "a16w8") is None
-    assert "v73" in qnn.precision_problem("SM8475", {"htp_arch": 69}, "a16w4")
+    assert qnn.precision_problem("SM8350", qnn_options(htp_arch=68), "a16w8") is None
+    assert "v73" in qnn.precision_problem("SM8475", qnn_options(htp_arch=69), "a16w4")
     assert qnn.precision_problem("SM8650", SM8650, "a16w4") is None
     assert qnn.supported_precisions(68) == ["a16w8"]
     assert qnn.supported_precisions(69) == ["fp16", "a16w8"]
@@ -70,14 +76,14 @@ def test_registry_qnn_targets_match_the_sdk_soc_table_and_htp_capabilities():
 
 def test_check_target_rejects_a_wrong_soc_model():
     with pytest.raises(NpuforgeError, match="43/73"):
-        qnn.check_target("SM8550", {"htp_arch": 73, "soc_model": 57}, "fp16")
+        qnn.check_target("SM8550", qnn_options(htp_arch=73, soc_model=57), ["fp16"])
 
 
 def test_unavailable_reason_ep_route_here_and_sdk_route_without_sdk(monkeypatch):
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     monkeypatch.delenv(qnn.ROUTE_ENV, raising=False)
     assert qnn.unavailable_reason("native", SM8650) is None
-    reason = qnn.unavailable_reason("native", {**SM8650, "route": "sdk"})
+    reason = qnn.unavailable_reason("native", replace(SM8650, route="sdk"))
     assert reason and "QNN_SDK_ROOT" in reason and "\n" not in reason
     monkeypatch.setenv(qnn.ROUTE_ENV, "sdk")
     assert "QNN_SDK_ROOT" in qnn.unavailable_reason("native", SM8650)
@@ -87,18 +93,21 @@ def test_unavailable_reason_ep_route_here_and_sdk_route_without_sdk(monkeypatch)
 
 def test_verification_figures():
     rng = np.random.default_rng(0)
-    ref = rng.standard_normal((32, 1, 1, 50)).astype(np.float32)
-    same = qnn.verification_figures(ref, ref.copy())
+    ref = rng.standard_normal((32, 50)).astype(np.float32)
+    next_ids = ref.argmax(-1)  # text the reference predicts well
+    same = base.fidelity(ref, ref.copy(), next_ids)
     assert same["cosine"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
-    assert same["max_abs_rel"] == 0.0 and same["steps"] == 32
+    assert same["max_abs_rel"] == 0.0 and same["positions"] == 32
+    assert same["perplexity"]["delta"] == 0.0 and same["perplexity"]["positions"] == 32
     noisy = ref + 0.1 * rng.standard_normal(ref.shape).astype(np.float32)
-    figures = qnn.verification_figures(ref, noisy)
+    figures = base.fidelity(ref, noisy, next_ids)
     assert 0.98 < figures["cosine"] < 0.999
-    flipped = qnn.verification_figures(ref, -ref)
+    flipped = base.fidelity(ref, -ref, next_ids)
     assert flipped["cosine"] == pytest.approx(-1.0) and flipped["top1_agreement"] < 0.2
+    assert flipped["perplexity"]["delta"] > 1.0
     broken = ref.copy()
-    broken[3, 0, 0, 7] = np.nan
-    assert qnn.verification_figures(ref, broken)["nan_inf"] == 1
+    broken[3, 7] = np.nan
+    assert base.fidelity(ref, broken)["nan_inf"] == 1
 
 
 def test_calibration_listing(tmp_path):
@@ -107,11 +116,11 @@ def test_calibration_listing(tmp_path):
     (chunk / "input_list.txt").write_text(
         "hidden_in:=a.raw state:=/abs/b.raw\n\nhidden_in:=c.raw\n"
     )
-    samples = qnn.calibration_samples(tmp_path, 1)
+    samples = qnn_spec.calibration_samples(tmp_path, 1)
     assert samples[0] == {"hidden_in": str(chunk / "a.raw"), "state": "/abs/b.raw"}
     assert len(samples) == 2
     with pytest.raises(NpuforgeError, match="make_calibration_samples"):
-        qnn.calibration_samples(tmp_path, 0)
+        qnn_spec.calibration_samples(tmp_path, 0)
 
 
 def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
@@ -179,10 +188,11 @@ def test_spec_roles_and_ctx_names(tmp_path):
     prefill_dir = qnn_fixtures.make_export(
         tmp_path / "prefill", chunks=2, variant="prefill", tokens=4
     )
-    decode, prefill = qnn.split_exports([prefill_dir, decode_dir])
-    assert decode["variant"] == "decode" and prefill["variant"] == "prefill"
-    tokens = list(range(32))
-    calls = qnn.write_verification_feeds(decode, prefill, tokens, tmp_path)
+    exports = base.load_exports([prefill_dir, decode_dir], "qnn")
+    assert list(exports) == ["decode", "prefill"]
+    tokens = list(range(33))
+    schedule = base.verification_schedule(exports, 32)
+    calls = base.write_call_feeds(exports, schedule, tokens, tmp_path)
     # One 4-token prefill call, then decode calls up to 32 tokens.
     assert [(c["variant"], c["position"]) for c in calls] == [("prefill", 0)] + [
         ("decode", p) for p in range(4, 32)
@@ -192,17 +202,7 @@ def test_spec_roles_and_ctx_names(tmp_path):
         assert sorted(first) == ["chunk0/embedding"]
         np.testing.assert_array_equal(first["chunk0/embedding"], table[None, 0:4])
         np.testing.assert_array_equal(second["chunk0/embedding"], table[None, 4:5])
-    spec = qnn.build_spec(
-        decode,
-        prefill,
-        None,
-        SM8650,
-        "fp16",
-        tmp_path / "o",
-        tmp_path / "w",
-        32,
-        calls,
-    )
+    spec = qnn_spec.build_spec(exports, {}, SM8650, "fp16", tmp_path / "o", tmp_path / "w", calls)
     assert spec["soc_model"] == 57 and spec["htp_arch"] == 75
     files = [[g["ctx_file"] for g in chunk["graphs"]] for chunk in spec["chunks"]]
     assert files == [
@@ -210,7 +210,7 @@ def test_spec_roles_and_ctx_names(tmp_path):
         ["chunk1_ctx.onnx", "chunk1_prefill_ctx.onnx"],
     ]
     assert spec["chunks"][1]["keep_16bit_tensors"] == ["state_1_wkv", "state_1_wkv_out"]
-    assert spec["verify"]["steps"] == 32 and spec["verify"]["calls"] == calls
+    assert spec["verify"]["steps"] == 29 and spec["verify"]["calls"] == calls
     chains = spec["verify"]["chains"]
     assert sorted(chains) == ["decode", "prefill"]
     assert [c["ctx_file"] for c in chains["prefill"]] == [
@@ -218,9 +218,9 @@ def test_spec_roles_and_ctx_names(tmp_path):
         "chunk1_prefill_ctx.onnx",
     ]
     with pytest.raises(NpuforgeError, match="raise verify_steps"):
-        qnn.verification_schedule(decode, prefill, 4)
+        base.verification_schedule(exports, 4)
     with pytest.raises(NpuforgeError, match="no decode export"):
-        qnn.split_exports([prefill_dir])
+        base.load_exports([prefill_dir], "qnn")
 
 
 def test_spec_quantizes_each_variant_with_its_own_samples(tmp_path):
@@ -234,17 +234,19 @@ def test_spec_quantizes_each_variant_with_its_own_samples(tmp_path):
     }
     for variant, export in exports.items():
         make_calibration_samples(export, tmp_path / f"cal-{variant}", samples=3, steps=8, seed=0)
-    decode, prefill = qnn.split_exports([exports["decode"], exports["prefill"]])
-    args = (SM8650, "a16w8", tmp_path / "o", tmp_path / "w", 0, [])
+    both = base.load_exports([exports["decode"], exports["prefill"]], "qnn")
+    args = (SM8650, "a16w8", tmp_path / "o", tmp_path / "w", [])
     only_decode = calibrations_by_variant([tmp_path / "cal-decode"])
     with pytest.raises(NpuforgeError, match="needs prefill calibration samples") as refused:
-        qnn.build_spec(decode, prefill, only_decode, *args)
+        qnn_spec.build_spec(both, only_decode, *args)
     assert "\n" not in str(refused.value) and str(exports["prefill"]) in str(refused.value)
     # Without a prefill export the decode samples are all a quantized build needs.
-    assert qnn.build_spec(decode, None, only_decode, *args)["chunks"][1]["graphs"][0]["calibration"]
+    decode_only = {"decode": both["decode"]}
+    spec = qnn_spec.build_spec(decode_only, only_decode, *args)
+    assert spec["chunks"][1]["graphs"][0]["calibration"]
 
     paired = calibrations_by_variant([tmp_path / "cal-prefill", tmp_path / "cal-decode"])
-    spec = qnn.build_spec(decode, prefill, paired, *args)
+    spec = qnn_spec.build_spec(both, paired, *args)
     for chunk in spec["chunks"]:
         assert [g["variant"] for g in chunk["graphs"]] == ["decode", "prefill"]
         for graph in chunk["graphs"]:
@@ -264,7 +266,9 @@ def test_cli_refuses_fp16_on_v68_before_any_job(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(REPO / "workflow_scripts" / "compile_qnn.py"),
+            str(REPO / "workflow_scripts" / "compile.py"),
+            "--backend",
+            "qnn",
             "--export",
             str(export),
             "--target",
@@ -318,13 +322,28 @@ def workspace(tmp_path_factory):
 
 def _compile(workspace, stamp, name, options, precision, prefill=None):
     exports = [workspace["export"]] + ([prefill] if prefill else [])
-    calibration = workspace["calibration"] if precision in qnn.QUANTIZED else None
+    calibration = workspace["calibration"] if precision in qnn_spec.QUANTIZED else None
     out = workspace["root"] / name
-    manifest = qnn.compile_qnn(
-        exports, calibration, name.split("-")[0], options, precision, stamp, out
-    )
+    manifest = compile_qnn(exports, calibration, name.split("-")[0], options, precision, stamp, out)
     assert json.loads((out / "compile.json").read_text()) == manifest
     return out, manifest
+
+
+def compile_qnn(exports, calibrations, target, options, precision, stamp, out):
+    """qnn.compile with the request built from the arguments the compile CLI takes."""
+    if calibrations is not None and not isinstance(calibrations, list):
+        calibrations = [calibrations]
+    return qnn.compile(
+        base.CompileRequest(
+            exports=exports,
+            calibrations=calibrations or [],
+            target=target,
+            options=options,
+            precision=precision,
+            toolchain=stamp,
+            out_dir=out,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +365,7 @@ def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
     assert manifest["qairt"]["version"].encode() in (out / "chunk0_ctx_qnn.bin").read_bytes()
     assert manifest["toolchain"]["versions"]["onnxruntime-qnn"] == "2.7.0"
     figures = manifest["verification"]
-    assert figures["steps"] == 32 and figures["nan_inf"] == 0
+    assert figures["positions"] == 32 and figures["nan_inf"] == 0
     assert figures["cosine"] >= 0.9999 and figures["top1_agreement"] == 1.0
     assert figures["passed"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
@@ -397,16 +416,14 @@ def test_rebuild_elsewhere_is_byte_identical(wide_head_export, qnn_stamp, tmp_pa
     import shutil
 
     first = tmp_path / "a"
-    manifest = qnn.compile_qnn([wide_head_export], None, "SM8650", SM8650, "fp16", qnn_stamp, first)
+    manifest = compile_qnn([wide_head_export], None, "SM8650", SM8650, "fp16", qnn_stamp, first)
     assert manifest["reproducible"] is True
     assert set(manifest["options"]["site_packages"]) <= {"hard-linked", "symlinked"}
     elsewhere = tmp_path / "a-checkout-at-a-much-longer-path-than-the-first-one"
     shutil.copytree(wide_head_export, elsewhere / "export")
     monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
     out = elsewhere / "SM8650-fp16"
-    rebuilt = qnn.compile_qnn(
-        [elsewhere / "export"], None, "SM8650", SM8650, "fp16", qnn_stamp, out
-    )
+    rebuilt = compile_qnn([elsewhere / "export"], None, "SM8650", SM8650, "fp16", qnn_stamp, out)
     assert rebuilt["artifacts"] == manifest["artifacts"]
     for artifact in manifest["artifacts"]:
         name = artifact["file"]
@@ -426,7 +443,7 @@ def test_each_soc_gets_its_own_verified_binary(sm8650_fp16, qnn_stamp, workspace
 def test_a16w8_qdq_compile_is_smaller_and_verified(sm8650_fp16, qnn_stamp, workspace):
     out, manifest = _compile(workspace, qnn_stamp, "SM8650-a16w8", SM8650, "a16w8")
     figures = manifest["verification"]
-    assert figures["steps"] == 32 and figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
+    assert figures["positions"] == 32 and figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
     chunk = manifest["options"]["chunks"][1]["quantization"]["decode"]
     assert chunk["weight_type"] == "int8" and chunk["activation_type"] == "uint16"
     assert {"ln1_w", "decay1", "state_1_wkv"} <= set(chunk["kept_16bit"])
@@ -448,7 +465,7 @@ def test_a16w8_decode_and_prefill_calibrated_by_their_own_runs(qnn_stamp, worksp
         calibrations.append(root / f"calibration-{name}")
         make_calibration_samples(export, calibrations[-1], samples=16, steps=16, seed=0)
     out = root / "SM8650-a16w8-prefill"
-    manifest = qnn.compile_qnn(
+    manifest = compile_qnn(
         [workspace["export"], prefill], calibrations, "SM8650", SM8650, "a16w8", qnn_stamp, out
     )
     figures = manifest["verification"]
@@ -473,7 +490,7 @@ def test_prefill_and_decode_share_one_context(qnn_stamp, workspace):
         workspace,
         qnn_stamp,
         "SM8750-shared",
-        {**SM8650, "htp_arch": 79, "soc_model": 69},
+        replace(SM8650, htp_arch=79, soc_model=69),
         "fp16",
         prefill=prefill,
     )

@@ -14,20 +14,30 @@ make_context_cache_binary.py, utils/htp_devices_config.py).
 """
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import qnn_fixtures
 
 from npuforge.backends import qnn, qnn_sdk
+from npuforge.backends.base import CompileRequest, load_exports
 from npuforge.errors import NpuforgeError
 
-SM8650 = {"htp_arch": 75, "soc_model": 57, "vtcm_mb": 8, "route": "sdk"}
+SM8650 = qnn.Options(htp_arch=75, soc_model=57, vtcm_mb=8, route="sdk")
+
+
+def sdk_request(exports, out, options=SM8650, precision="fp16"):
+    return CompileRequest(
+        exports=exports, target="SM8650", options=options, precision=precision, out_dir=out
+    )
+
+
 ROOT = Path("/opt/qcom/aistack/qairt/2.51.0")
 
 
 def test_htp_config_from_target_options():
-    config = qnn_sdk.htp_config({**SM8650, "optimization_level": 2}, "fp16", ["chunk0"])
+    config = qnn_sdk.htp_config(replace(SM8650, optimization_level=2), "fp16", ["chunk0"])
     assert config == {
         "graphs": [{"graph_names": ["chunk0"], "vtcm_mb": 8, "O": 2, "fp16_relaxed_precision": 1}],
         "devices": [
@@ -38,7 +48,7 @@ def test_htp_config_from_target_options():
             }
         ],
     }
-    quantized = qnn_sdk.htp_config({"htp_arch": 68, "soc_model": 30}, "a16w8", ["chunk1"])
+    quantized = qnn_sdk.htp_config(qnn.Options(htp_arch=68, soc_model=30), "a16w8", ["chunk1"])
     assert "fp16_relaxed_precision" not in quantized["graphs"][0]
     assert quantized["devices"][0]["dsp_arch"] == "v68" and quantized["graphs"][0]["O"] == 3
 
@@ -94,8 +104,8 @@ def test_command_lines_use_the_documented_flags():
 
 def test_overrides_keep_state_in_16_bit_float(tmp_path):
     export = qnn_fixtures.make_export(tmp_path / "export", chunks=2)
-    decode, _ = qnn.split_exports([export])
-    overrides = qnn_sdk.quantization_overrides(decode["graphs"][1], ["xn1"])
+    decode = load_exports([export], "qnn")["decode"]
+    overrides = qnn_sdk.quantization_overrides(decode.graphs[1], ["xn1"])
     assert set(overrides["activation_encodings"]) == {"state_1_wkv", "state_1_wkv_out", "xn1"}
     assert overrides["activation_encodings"]["xn1"] == [{"bitwidth": 16, "dtype": "float"}]
 
@@ -107,7 +117,7 @@ def test_unavailable_without_sdk_and_with_a_hollow_sdk(tmp_path, monkeypatch):
     monkeypatch.setenv("QNN_SDK_ROOT", str(tmp_path))
     assert "qnn-onnx-converter" in qnn_sdk.unavailable_reason("native", SM8650)
     with pytest.raises(NpuforgeError, match="QNN_SDK_ROOT"):
-        qnn_sdk.compile_sdk([tmp_path], None, "SM8650", SM8650, "fp16", tmp_path / "out")
+        qnn_sdk.compile_sdk(sdk_request([tmp_path], tmp_path / "out"), None)
 
 
 @pytest.mark.toolchain
@@ -116,7 +126,7 @@ def test_sdk_route_compiles_where_the_sdk_is_installed(tmp_path):
     if not root or qnn_sdk.unavailable_reason("native", SM8650):
         pytest.skip("QNN SDK not installed here (set QNN_SDK_ROOT to an unpacked QAIRT SDK)")
     export = qnn_fixtures.make_export(tmp_path / "export", chunks=2)
-    manifest = qnn_sdk.compile_sdk([export], None, "SM8650", SM8650, "fp16", tmp_path / "out")
+    manifest = qnn_sdk.compile_sdk(sdk_request([export], tmp_path / "out"), None)
     assert [a["file"] for a in manifest["artifacts"]] == ["chunk0.bin", "chunk1.bin"]
     for artifact in manifest["artifacts"]:
         assert (tmp_path / "out" / artifact["file"]).stat().st_size > 0

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npuforge.backends import tpumlir
+from npuforge.backends import base, tpumlir, tpumlir_commands, tpumlir_env
+from npuforge.backends.bmodel import pin_build_time
 from npuforge.cache import cache_root
 from npuforge.errors import NpuforgeError
 
@@ -89,12 +90,30 @@ def exports(tmp_path_factory):
     return root
 
 
-def _options(chip):
+def _options(chip, **overrides) -> tpumlir.Options:
     """The registry's options of the chip's target (tolerances per precision)."""
     import yaml
 
     registry = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
-    return dict(registry[chip.upper()]["options"])
+    return tpumlir.Options(**{**registry[chip.upper()]["options"], **overrides})
+
+
+def _request(export_dirs, chip, precision, tmp_path, **fields) -> base.CompileRequest:
+    return base.CompileRequest(
+        exports=export_dirs,
+        target=chip.upper(),
+        options=fields.pop("options", None) or _options(chip),
+        precision=precision,
+        out_dir=tmp_path / "out",
+        **fields,
+    )
+
+
+def _spec(export_dirs, chip, precision, tmp_path, work="work", **fields) -> dict:
+    """build_spec for these exports (no verification calls): the job's build steps."""
+    request = _request(export_dirs, chip, precision, tmp_path, **fields)
+    exports = base.load_exports(request.exports, "tpumlir")
+    return tpumlir.build_spec(request, exports, tmp_path / "out", tmp_path / work)
 
 
 # ---------------------------------------------------------------- command lines
@@ -167,25 +186,23 @@ def test_deploy_command_per_chip_and_precision(chip, precision):
 
 
 def test_tolerance_per_precision_with_tpumlir_defaults():
-    """INT8 of a recurrent prefill net cannot meet the F16 floors on any input (issue: the
-    wkv state lands at euclid 0.89-0.91 even on calibration samples), so the registry gives
+    """INT8 of a recurrent prefill net cannot meet the F16 floors on any input (the wkv
+    state lands at euclid 0.89-0.91 even on calibration samples), so the registry gives
     int8 TPU-MLIR's own INT8 default and keeps the F16 floors for the float modes."""
-    import yaml
-
-    registry = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
-    for target in ("BM1684X", "BM1688"):
-        options = registry[target]["options"]
+    for target in ("bm1684x", "bm1688"):
+        options = _options(target)
         assert tpumlir.tolerance(options, "int8") == "0.90,0.80"
         for precision in ("f16", "bf16", "w8f16", "w4f16"):
             assert tpumlir.tolerance(options, precision) == "0.99,0.90"
     # A plain string applies to every precision; a mapping that leaves one out falls back
     # to model_deploy.py's default for that quantize mode.
-    assert tpumlir.tolerance({"tolerance": "0.95,0.85"}, "int8") == "0.95,0.85"
-    assert tpumlir.tolerance({"tolerance": {"f16": "0.999,0.95"}}, "int8") == "0.90,0.80"
-    assert tpumlir.tolerance({}, "bf16") == "0.99,0.90"
+    assert tpumlir.tolerance(_options("bm1684x", tolerance="0.95,0.85"), "int8") == "0.95,0.85"
+    only_f16 = _options("bm1684x", tolerance={"f16": "0.999,0.95"})
+    assert tpumlir.tolerance(only_f16, "int8") == "0.90,0.80"
+    assert tpumlir.tolerance(_options("bm1684x", tolerance=None), "bf16") == "0.99,0.90"
     for bad in ("0.99", "high,0.9", "0.99,1.5"):
         with pytest.raises(NpuforgeError, match="not 'cos,euclid'") as refused:
-            tpumlir.tolerance({"tolerance": {"int8": bad}}, "int8")
+            tpumlir.tolerance(_options("bm1684x", tolerance={"int8": bad}), "int8")
         assert "\n" not in str(refused.value)
 
 
@@ -218,13 +235,12 @@ def test_calibration_and_combine_commands():
 
 
 def test_precision_and_processor_checks():
-    with pytest.raises(NpuforgeError, match="does not support precision 'int8'"):
-        tpumlir.check_precision("BM1688", "int8", ["f16", "bf16"])
     with pytest.raises(NpuforgeError, match="no TPU-MLIR quantize mode"):
-        tpumlir.check_precision("BM1684X", "w8a8", None)
+        tpumlir.check_target("BM1684X", _options("bm1684x"), ["f16", "w8a8"])
     with pytest.raises(NpuforgeError, match="processor 'rk3588'"):
-        tpumlir.processor({"processor": "rk3588"})
-    assert tpumlir.processor({"processor": "BM1688"}) == "bm1688"
+        _options("bm1684x", processor="rk3588")
+    assert _options("bm1688", processor="BM1688").processor == "BM1688"
+    tpumlir.check_target("BM1688", _options("bm1688"), list(tpumlir.QUANTIZE))
 
 
 # ---------------------------------------------------------------- inputs and spec
@@ -255,16 +271,11 @@ def _write_calibration(root: Path, exports_root: Path, samples=3):
 @pytest.mark.parametrize("chip", CHIPS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precision):
-    calibration = _write_calibration(tmp_path / "calib", exports) if precision == "int8" else None
-    spec = tpumlir.build_spec(
-        [exports / "prefill", exports / "decode"],
-        tmp_path / "out",
-        tmp_path / "work",
-        chip.upper(),
-        _options(chip),
-        precision,
-        calibration_dir=calibration,
-    )
+    calibration = [_write_calibration(tmp_path / "calib", exports)] if precision == "int8" else []
+    spec = _spec(
+        [exports / "prefill", exports / "decode"], chip, precision, tmp_path,
+        calibrations=calibration,
+    )  # fmt: skip
     assert [g["net"] for g in spec["graphs"]] == ["decode", "prefill"]
     stages = [s["name"] for s in spec["steps"]]
     per_graph = (
@@ -279,7 +290,9 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
         onnx_inputs = tpumlir.graph_inputs(exports / graph / "chunk0.onnx")
         transform = next(s for s in spec["steps"] if s["name"] == f"{graph}:model_transform")
         pairs = dict(zip(transform["argv"][1::2], transform["argv"][2::2], strict=True))
-        assert pairs["--input_shapes"] == tpumlir.shapes_arg(s["shape"] for s in onnx_inputs)
+        assert pairs["--input_shapes"] == tpumlir_commands.shapes_arg(
+            s["shape"] for s in onnx_inputs
+        )
         tokens = PREFILL_TOKENS if graph == "prefill" else 1
         assert pairs["--input_shapes"].startswith(f"[[1,{tokens}],[1,128],[1,2,64,64],")
         with np.load(pairs["--test_input"]) as data:
@@ -312,15 +325,7 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
 def test_int8_without_matching_samples_is_refused(exports, tmp_path):
     (tmp_path / "calib" / "tpumlir").mkdir(parents=True)
     with pytest.raises(NpuforgeError, match="no calibration sample"):
-        tpumlir.build_spec(
-            [exports / "decode"],
-            tmp_path / "o",
-            tmp_path / "w",
-            "BM1684X",
-            _options("bm1684x"),
-            "int8",
-            calibration_dir=tmp_path / "calib",
-        )
+        _spec([exports / "decode"], "bm1684x", "int8", tmp_path, calibrations=[tmp_path / "calib"])
 
 
 def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_path):
@@ -333,14 +338,14 @@ def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_
         calibrations.append(tmp_path / f"cal-{variant}")
         make_calibration_samples(exports / variant, calibrations[-1], samples=2, steps=4, seed=0)
     with pytest.raises(NpuforgeError, match="make_calibration_samples.py --export") as refused:
-        tpumlir.build_spec(
-            [exports / "decode", exports / "prefill"], tmp_path / "o", tmp_path / "w0",
-            "BM1684X", _options("bm1684x"), "int8", calibration_dir=calibrations[:1],
+        _spec(
+            [exports / "decode", exports / "prefill"], "bm1684x", "int8", tmp_path, "w0",
+            calibrations=calibrations[:1],
         )  # fmt: skip
     assert "prefill graph" in str(refused.value) and "\n" not in str(refused.value)
-    spec = tpumlir.build_spec(
-        [exports / "prefill", exports / "decode"], tmp_path / "o", tmp_path / "w",
-        "BM1684X", _options("bm1684x"), "int8", calibration_dir=calibrations,
+    spec = _spec(
+        [exports / "prefill", exports / "decode"], "bm1684x", "int8", tmp_path, "w",
+        calibrations=calibrations,
     )  # fmt: skip
     for variant, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
         step = next(s for s in spec["steps"] if s["name"] == f"{variant}:run_calibration")
@@ -358,9 +363,9 @@ def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_
 
 def test_exports_must_be_one_decode_and_one_prefill(exports):
     with pytest.raises(NpuforgeError, match="two decode exports"):
-        tpumlir.order_exports([exports / "decode", exports / "decode"])
+        base.load_exports([exports / "decode", exports / "decode"], "tpumlir")
     with pytest.raises(NpuforgeError, match="no decode export"):
-        tpumlir.order_exports([exports / "prefill"])
+        base.load_exports([exports / "prefill"], "tpumlir")
 
 
 # ---------------------------------------------------------------- job runner
@@ -489,13 +494,13 @@ def test_pin_build_time_makes_builds_identical(tmp_path, monkeypatch):
     first.write_bytes(_bmodel_bytes(b"Sun Nov 22 04:13:18 2026"))
     second.write_bytes(_bmodel_bytes(b"Sun Nov 22 04:17:29 2026"))
     size = first.stat().st_size
-    assert tpumlir.pin_build_time(first) == "Thu Jan  1 00:00:00 1970"
-    assert tpumlir.pin_build_time(second) == "Thu Jan  1 00:00:00 1970"
+    assert pin_build_time(first) == "Thu Jan  1 00:00:00 1970"
+    assert pin_build_time(second) == "Thu Jan  1 00:00:00 1970"
     assert first.read_bytes() == second.read_bytes()
     assert first.stat().st_size == size
     assert b"Mon Jan  5 10:00:00 2026" in first.read_bytes()  # the payload is untouched
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    assert tpumlir.pin_build_time(first) == "Tue Nov 14 22:13:20 2023"
+    assert pin_build_time(first) == "Tue Nov 14 22:13:20 2023"
     assert b"\x19\x00\x00\x00Tue Nov 14 22:13:20 2023\n" in first.read_bytes()
 
 
@@ -503,11 +508,11 @@ def test_pin_build_time_refuses_what_it_does_not_recognise(tmp_path):
     path = tmp_path / "x.bmodel"
     path.write_bytes(b"\x00" * 128)
     with pytest.raises(NpuforgeError, match="not a bmodel"):
-        tpumlir.pin_build_time(path)
+        pin_build_time(path)
     for times in ([], [b"Sun Nov 22 04:13:18 2026"] * 2):
         path.write_bytes(_bmodel_bytes(*times))
         with pytest.raises(NpuforgeError, match=f"found {len(times)}"):
-            tpumlir.pin_build_time(path)
+            pin_build_time(path)
 
 
 def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
@@ -519,13 +524,14 @@ def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
         )
     )
     with pytest.raises(NpuforgeError, match="tpu_mlir is not installed"):
-        tpumlir.compile_bmodel(
-            exports=[exports / "decode", exports / "prefill"],
-            target="BM1684X",
-            target_options=_options("bm1684x"),
-            precision="f16",
-            stamp_path=stamp,
-            out_dir=tmp_path / "out",
+        tpumlir.compile(
+            _request(
+                [exports / "decode", exports / "prefill"],
+                "bm1684x",
+                "f16",
+                tmp_path,
+                toolchain=stamp,
+            )  # fmt: skip
         )
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["stamp.json"]
@@ -534,96 +540,90 @@ def test_compile_leaves_no_output_when_the_toolchain_fails(exports, tmp_path):
 # ---------------------------------------------------------------- recurrent verification
 
 
-def test_verification_plan_runs_prefill_then_decode_on_held_out_text(exports, tmp_path):
+def test_verification_runs_prefill_then_decode_on_held_out_text(exports, tmp_path):
     """One prefill call of T held-out tokens, then decode calls carrying its states; the
     reference is the same run on onnxruntime. RWKV's prefill of T tokens equals T decode
     steps, so the reference must equal a decode-only run over the same tokens."""
     from npuforge.runtime import GraphChain
 
-    ordered = tpumlir.order_exports([exports / "decode", exports / "prefill"])
-    plan, reference = tpumlir.verification_plan(ordered, 5, tmp_path / "v")
-    from npuforge.calibration import verification_tokens
-
-    ids = verification_tokens(PREFILL_TOKENS + 5, 1024)
-    assert [c["net"] for c in plan["calls"]] == ["prefill"] + ["decode"] * 5
-    assert [c["position"] for c in plan["calls"]] == [0] + list(range(8, 13))
-    fed = [np.load(c["feeds"])["tokens"].ravel().tolist() for c in plan["calls"]]
-    assert sum(fed, []) == ids
+    loaded = base.load_exports([exports / "decode", exports / "prefill"], "tpumlir")
+    schedule = base.verification_schedule(loaded, PREFILL_TOKENS + 5)
+    ids = base.verification_tokens(PREFILL_TOKENS + 5, loaded["decode"])["ids"]
+    calls = base.write_call_feeds(loaded, schedule, ids, tmp_path)
+    reference = base.reference_logits(loaded, schedule, ids)
+    assert [c["variant"] for c in calls] == ["prefill"] + ["decode"] * 5
+    assert [c["position"] for c in calls] == [0] + list(range(8, 13))
+    fed = [np.load(c["feeds"])["chunk0/tokens"].ravel().tolist() for c in calls]
+    assert sum(fed, []) == ids[: PREFILL_TOKENS + 5]
     # Host-fed inputs only: the job carries the states itself.
-    assert all(list(np.load(c["feeds"]).files) == ["tokens"] for c in plan["calls"])
-    assert plan["nets"]["prefill"]["logits"] == plan["nets"]["decode"]["logits"]
+    assert all(list(np.load(c["feeds"]).files) == ["chunk0/tokens"] for c in calls)
     assert reference.shape == (PREFILL_TOKENS + 5, 1024)
     chain = GraphChain(exports / "decode")
-    decoded = np.concatenate([chain.step([[t]]).reshape(1, -1) for t in ids])
+    decoded = np.concatenate([chain.step([[t]]).reshape(1, -1) for t in ids[:-1]])
     assert np.abs(reference - decoded).max() <= 1e-4 * np.abs(decoded).max()
     # Without a prefill net: decode calls only.
-    plan, reference = tpumlir.verification_plan(
-        tpumlir.order_exports([exports / "decode"]), 3, tmp_path / "d"
-    )
-    assert [c["net"] for c in plan["calls"]] == ["decode"] * 3 and reference.shape[0] == 3
+    decode_only = {"decode": loaded["decode"]}
+    assert [c.variant for c in base.verification_schedule(decode_only, 3)] == ["decode"] * 3
 
 
-def test_min_cosine_per_precision():
-    import yaml
-
-    registry = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
-    for target in ("BM1684X", "BM1688"):
-        options = registry[target]["options"]
-        assert tpumlir.min_cosine(options, "f16") == 0.9999
-        assert tpumlir.min_cosine(options, "int8") == 0.999
-    assert tpumlir.min_cosine({"min_cosine": 0.5}, "w4f16") == 0.5
-    assert tpumlir.min_cosine({"min_cosine": {"f16": 0.5}}, "bf16") == tpumlir.MIN_COSINE["bf16"]
-    assert tpumlir.min_cosine({}, "w4f16") == tpumlir.MIN_COSINE["w4f16"]
+def test_floors_per_precision():
+    for target in ("bm1684x", "bm1688"):
+        options = _options(target)
+        assert base.floors_for(tpumlir.FLOORS, options, "f16") == {"min_cosine": 0.9999}
+        assert base.floors_for(tpumlir.FLOORS, options, "int8") == {"min_cosine": 0.999}
+    floors = base.floors_for(tpumlir.FLOORS, _options("bm1684x", min_cosine=0.5), "w4f16")
+    assert floors == {"min_cosine": 0.5}
+    only_f16 = _options("bm1684x", min_cosine={"f16": 0.5})
+    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16") == tpumlir.FLOORS["bf16"]
 
 
-def _fake_toolchain(exports, tmp_path, monkeypatch, perturb):
-    """compile_bmodel with run_job replaced: the "job" writes a bmodel, its result and the
-    simulator logits, which are the reference logits through ``perturb``."""
-    from npuforge import toolchain
+def _fake_toolchain(exports, tmp_path, perturb):
+    """A compile request whose "job" writes a bmodel, its result and the simulator logits,
+    which are the onnxruntime reference run's logits through ``perturb``."""
 
-    def run_job(stamp_path, job_script, spec_path, **_):
+    def run_job(stamp_path, spec_path, read_only, writable, log_path):
         spec = json.loads(Path(spec_path).read_text())
         Path(spec["bmodel"]).write_bytes(_bmodel_bytes(b"Sun Nov 22 04:13:18 2026"))
         Path(spec["result"]).write_text(json.dumps({"versions": {}, "steps": []}))
         (Path(spec["work_dir"]) / "logs").mkdir(exist_ok=True)
-        reference = np.load(spec["verify"]["reference"])
-        np.save(spec["verify"]["outputs"], perturb(reference))
+        loaded = base.load_exports([exports / "decode", exports / "prefill"], "tpumlir")
+        schedule = base.verification_schedule(loaded, PREFILL_TOKENS + 4)
+        ids = base.verification_tokens(PREFILL_TOKENS + 4, loaded["decode"])["ids"]
+        np.save(spec["verify"]["outputs"], perturb(base.reference_logits(loaded, schedule, ids)))
 
-    monkeypatch.setattr(toolchain, "run_job", run_job)
     stamp = tmp_path / "stamp.json"
     stamp.write_text(json.dumps({"backend": "tpumlir", "runtime": "native", "python": "py"}))
-    return dict(
-        exports=[exports / "decode", exports / "prefill"],
-        target="BM1684X",
-        target_options={**_options("bm1684x"), "verify_steps": 4},
-        precision="f16",
-        stamp_path=stamp,
-        out_dir=tmp_path / "out",
-    )
+    return _request(
+        [exports / "decode", exports / "prefill"], "bm1684x", "f16", tmp_path,
+        options=_options("bm1684x", verify_steps=PREFILL_TOKENS + 4),
+        toolchain=stamp, job_runner=run_job,
+    )  # fmt: skip
 
 
-def test_simulator_logits_are_recorded(exports, tmp_path, monkeypatch):
-    args = _fake_toolchain(exports, tmp_path, monkeypatch, lambda ref: ref.copy())
-    figures = tpumlir.compile_bmodel(**args)["verification"]
+def test_simulator_logits_are_recorded(exports, tmp_path):
+    request = _fake_toolchain(exports, tmp_path, lambda ref: ref.copy())
+    figures = tpumlir.compile(request)["verification"]
     assert figures["cosine"] == 1.0 and figures["top1_agreement"] == 1.0
-    assert figures["steps"] == 4 and figures["rows"] == PREFILL_TOKENS + 4
-    assert figures["calls"] == {"prefill": 1, "decode": 4}
-    assert figures["min_cosine"] == tpumlir.MIN_COSINE["f16"] and figures["passed"] is True
-    assert figures["prefill"]["rows"] == PREFILL_TOKENS and figures["decode"]["rows"] == 4
+    assert figures["positions"] == PREFILL_TOKENS + 4
+    assert figures["calls"] == {"decode": 4, "prefill": 1}
+    assert figures["floors"] == tpumlir.FLOORS["f16"] and figures["passed"] is True
+    assert figures["perplexity"]["delta"] == 0.0
+    assert figures["prefill"]["positions"] == PREFILL_TOKENS
+    assert figures["decode"]["positions"] == 4
     written = json.loads((tmp_path / "out" / "compile.json").read_text())
     assert written["verification"] == json.loads(json.dumps(figures))
 
 
-def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path, monkeypatch):
+def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path):
     def drift(ref):
         # One decode step far off: cosine well below the fp16 floor on that token only.
         out = ref.copy()
         out[-1] = np.roll(out[-1], 1)
         return out
 
-    args = _fake_toolchain(exports, tmp_path, monkeypatch, drift)
-    with pytest.raises(NpuforgeError, match="below 0.9999 against onnxruntime") as failed:
-        tpumlir.compile_bmodel(**args)
+    request = _fake_toolchain(exports, tmp_path, drift)
+    with pytest.raises(NpuforgeError, match="cosine .* < 0.9999") as failed:
+        tpumlir.compile(request)
     assert "\n" not in str(failed.value)
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stamp.json"]
@@ -632,15 +632,10 @@ def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path,
 def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
     state = tmp_path / "chat.pth"
     state.write_bytes(b"state")
-    spec = tpumlir.build_spec(
-        [exports / "decode", exports / "prefill"],
-        tmp_path / "out",
-        tmp_path / "work",
-        "BM1688",
-        _options("bm1688"),
-        "w4f16",
+    spec = _spec(
+        [exports / "decode", exports / "prefill"], "bm1688", "w4f16", tmp_path,
         state_files=[state],
-    )
+    )  # fmt: skip
     (tmp_path / "out").mkdir()
     Path(spec["bmodel"]).write_bytes(b"bmodel")
     (tmp_path / "out" / "chat.pth").write_bytes(b"state")
@@ -656,7 +651,7 @@ def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
         ],
     }
     stamp = {"runtime": "native", "versions": {"tpu_mlir": "1.30.2", "torch": "2.11.0+cpu"}}
-    record = tpumlir.compile_record(spec, result, stamp, _options("bm1688"))
+    record = tpumlir.compile_record(spec, result, stamp, _options("bm1688"), None)
     assert [(a["file"], a["role"]) for a in record["artifacts"]] == [
         ("bm1688_w4f16.bmodel", "binary"),
         ("chat.pth", "state"),
@@ -673,21 +668,21 @@ def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
     assert [n["tokens_per_call"] for n in record["nets"]] == [1, PREFILL_TOKENS]
 
 
-def test_cli_refuses_a_precision_the_chip_lacks(tmp_path):
+def test_cli_refuses_a_precision_without_a_quantize_mode(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
-            str(REPO / "workflow_scripts" / "compile_tpumlir.py"),
+            str(REPO / "workflow_scripts" / "compile.py"),
+            "--backend",
+            "tpumlir",
             "--export",
             str(tmp_path),
             "--target",
             "BM1688",
             "--target-options",
-            json.dumps(_options("bm1688")),
+            json.dumps(base.options_dict(_options("bm1688"))),
             "--precision",
-            "int8",
-            "--precisions",
-            "f16,bf16",
+            "w8a8",
             "--toolchain",
             str(tmp_path / "s.json"),
             "--out-dir",
@@ -698,31 +693,32 @@ def test_cli_refuses_a_precision_the_chip_lacks(tmp_path):
         cwd=REPO,
     )
     assert out.returncode == 2
-    assert out.stderr.startswith("error: BM1688 does not support precision 'int8'")
+    assert out.stderr.startswith("error: precision 'w8a8' has no TPU-MLIR quantize mode")
 
 
 # ---------------------------------------------------------------- toolchain check
 
 
 def test_unavailable_reason_names_the_missing_python(tmp_path):
-    reason = tpumlir.unavailable_reason("native", {"python": str(tmp_path / "python3.10")})
+    reason = tpumlir.unavailable_reason("native", _options("bm1684x", python=str(tmp_path / "p")))
     assert "CPython 3.10" in reason and "not runnable" in reason
-    reason = tpumlir.unavailable_reason("native", {"python": sys.executable})
+    reason = tpumlir.unavailable_reason("native", _options("bm1684x", python=sys.executable))
     assert f"is Python {sys.version_info[0]}.{sys.version_info[1]}" in reason
 
 
 def test_native_python_is_named_by_option_then_environment(monkeypatch):
     monkeypatch.setenv("NPUFORGE_TPUMLIR_PYTHON", "/opt/py310/bin/python3.10")
-    assert tpumlir.native_python({"python": "/srv/python3.10"}) == "/srv/python3.10"
-    assert tpumlir.native_python({}) == "/opt/py310/bin/python3.10"
+    named = _options("bm1684x", python="/srv/python3.10")
+    assert tpumlir.native_python(named) == "/srv/python3.10"
+    assert tpumlir.native_python(_options("bm1684x")) == "/opt/py310/bin/python3.10"
 
 
 def _python310():
     try:
-        python = tpumlir.native_python({})
+        python = tpumlir.native_python(_options("bm1684x"))
     except NpuforgeError:
         return None
-    return python if tpumlir._python_version(python) == "3.10" else None
+    return python if tpumlir_env._python_version(python) == "3.10" else None
 
 
 def test_unavailable_reason_wants_a_cpu_torch_wheel(tmp_path, monkeypatch):
@@ -730,11 +726,11 @@ def test_unavailable_reason_wants_a_cpu_torch_wheel(tmp_path, monkeypatch):
     if python is None:
         pytest.skip("no CPython 3.10 on this machine: the torch-wheel branch is not reached")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
-    reason = tpumlir.unavailable_reason("native", {"python": python})
+    reason = tpumlir.unavailable_reason("native", _options("bm1684x", python=python))
     assert "torch==2.11.0+cpu" in reason and "PIP_FIND_LINKS" in reason
     wheel = tmp_path / "torch-2.11.0+cpu-cp310-cp310-manylinux_2_28_x86_64.whl"
     wheel.write_bytes(b"")
-    assert tpumlir.unavailable_reason("native", {"python": python}) is None
+    assert tpumlir.unavailable_reason("native", _options("bm1684x", python=python)) is None
 
 
 # ---------------------------------------------------------------- the real toolchain

@@ -59,7 +59,7 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
     compiled = manifest["compile"]
     assert compiled["toolchain"]["runtime"] == "podman"
     assert compiled["toolchain"]["versions"]["rknn-toolkit2"] == "2.5.0"
-    assert compiled["verification"]["steps"] >= 32
+    assert compiled["verification"]["positions"] >= 32
     assert compiled["verification"]["cosine"] >= 0.9999
     assert compiled["verification"]["nan_inf"] == 0
     assert compiled["placement"]["cpu_fallback"] == 0
@@ -87,7 +87,7 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
     assert binaries and sha256s(bundle, "_ctx.onnx")
     assert compiled["qairt"]["version"].startswith("2.51")
     assert compiled["options"]["soc_model"] == 57 and compiled["options"]["htp_arch"] == 75
-    assert compiled["verification"]["steps"] >= 32
+    assert compiled["verification"]["positions"] >= 32
     assert compiled["verification"]["cosine"] >= 0.9999
     assert compiled["verification"]["nan_inf"] == 0
     # The context binary is QNN's own format, naming the QAIRT build inside.
@@ -97,8 +97,8 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
     # a16w8 is a default precision of SM8650 too, held to the 8-bit gate.
     quantized = check_bundle(bundle_of(workflow, "SM8650", "a16w8"))["compile"]
     figures = quantized["verification"]
-    assert figures["steps"] >= 32 and figures["nan_inf"] == 0
-    assert figures["min_cosine"] == 0.999 and figures["cosine"] >= 0.999
+    assert figures["positions"] >= 32 and figures["nan_inf"] == 0
+    assert figures["floors"]["min_cosine"] == 0.999 and figures["cosine"] >= 0.999
     notes = quantized["options"]["chunks"][0]["quantization"]["decode"]
     assert notes["weight_type"] == "int8" and notes["activation_type"] == "uint16"
     # every layer's wkv read-out r @ state and its state-side product (4 layers)

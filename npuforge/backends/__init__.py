@@ -26,4 +26,4 @@ def options_of(name: str, mapping: dict, target: str):
     """A target's ``options`` as its backend's typed Options (unknown keys refused)."""
     from npuforge.backends.base import parse_options
 
-    return parse_options(get(name).Options, mapping, target)
+    return parse_options(get(name).Options, mapping, f"target {target}")

@@ -85,18 +85,16 @@ class CommonOptions:
     max_perplexity_delta: float | dict | None = None
 
 
-def parse_options(cls, mapping, target: str):
-    """The target's ``options`` mapping as the backend's Options dataclass.
-
-    An unknown key is an error naming the valid ones (a typo must not pass silently).
-    """
+def parse_options(cls, mapping, where: str):
+    """A target's ``options`` mapping as the backend's Options dataclass; ``where`` names
+    it in errors ("target SM8650"). An unknown key is an error naming the valid ones (a
+    typo must not pass silently)."""
     mapping = dict(mapping or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - set(fields))
     if unknown:
         raise NpuforgeError(
-            f"target {target}: unknown option {unknown[0]!r}; valid options: "
-            f"{', '.join(sorted(fields))}"
+            f"{where}: unknown option {unknown[0]!r}; valid options: {', '.join(sorted(fields))}"
         )
     missing = [
         name
@@ -106,7 +104,7 @@ def parse_options(cls, mapping, target: str):
         and name not in mapping
     ]
     if missing:
-        raise NpuforgeError(f"target {target}: options need {missing[0]!r}; add it in targets.yaml")
+        raise NpuforgeError(f"{where}: options need {missing[0]!r}; add it in targets.yaml")
     return cls(**mapping)
 
 

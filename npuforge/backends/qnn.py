@@ -106,8 +106,8 @@ def check_target(target_id: str, options: Options, precisions) -> None:
 # --------------------------------------------------------------------------- capability
 
 
-def route(options: Options) -> str:
-    chosen = os.environ.get(ROUTE_ENV) or options.route or "ep"
+def route(options: Options | None) -> str:
+    chosen = os.environ.get(ROUTE_ENV) or getattr(options, "route", None) or "ep"
     if chosen not in ROUTES:
         raise NpuforgeError(
             f"unknown QNN route '{chosen}': set route (or {ROUTE_ENV}) "
