@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Job scripts import their siblings (job_stage) as top-level modules, as they do when
+# run by path in a toolchain; tests that load them in-process need the same.
+sys.path.append(str(REPO / "npuforge" / "jobs"))
 # What a workflow run needs from the checkout; results/ and .venv stay behind.
 WORKFLOW_PARTS = (
     "Snakefile",

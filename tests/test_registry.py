@@ -179,3 +179,44 @@ def test_synthetic_llama_is_a_model_directory():
     bad["precisions"] = {"RK3588": ["fp32"]}
     with pytest.raises(NpuforgeError, match="precision 'fp32' for RK3588 is not among"):
         check_registries({"x": bad}, targets)
+
+
+def test_each_backends_options_schema_names_exactly_its_options_dataclass():
+    import dataclasses
+
+    from npuforge import backends
+
+    schema = yaml.safe_load((REPO / "config" / "schemas" / "targets.schema.yaml").read_text())
+    for name in backends.BACKENDS:
+        fields = {f.name for f in dataclasses.fields(backends.get(name).Options)}
+        assert set(schema["$defs"][name]["properties"]) == fields, name
+
+
+def test_a_typo_in_target_options_is_one_line_naming_the_valid_ones():
+    from npuforge import backends
+
+    with pytest.raises(NpuforgeError, match="unknown option 'verfy_steps'; valid options: "):
+        backends.options_of("rknn", {"target_platform": "rk3588", "verfy_steps": 8}, "RK3588")
+    with pytest.raises(NpuforgeError, match="target SM8650: options need 'htp_arch'"):
+        backends.options_of("qnn", {"soc_model": 57}, "SM8650")
+
+
+def test_chip_tables_are_checked_when_the_registry_loads():
+    from npuforge.registry import check_registries, load_registries
+
+    cases = [
+        ({"RK3588": {"precisions": {"fp16": {}, "w16a16i": {"calibrate": True}}}},
+         "cannot build precision 'w16a16i'"),
+        ({"SM8550": {"options": {"soc_model": 57}}}, "do not match the QNN SDK's 43/73"),
+        ({"SM8475": {"precisions": {"a16w4": {"calibrate": True}}}}, "needs v73 or newer"),
+        ({"BM1684X": {"options": {"processor": "bm1690"}}}, "processor 'bm1690'"),
+    ]  # fmt: skip
+    for overlay, message in cases:
+        config = {
+            "models_registry": "config/models.yaml",
+            "targets_registry": "config/targets.yaml",
+            "targets": overlay,
+        }
+        models, targets = load_registries(config, REPO)
+        with pytest.raises(NpuforgeError, match=message):
+            check_registries(models, targets)

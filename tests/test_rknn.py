@@ -437,9 +437,7 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
         [export_dir], calibration, "RK3588", plain_options, "w8a8", toolchain, tmp_path / "p"
     )
     first, second = tmp_path / "a", tmp_path / "b"
-    record = compile_rknn(
-        [export_dir], calibration, "RK3588", options, "w8a8", toolchain, first
-    )
+    record = compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, first)
     assert plain["options"]["float16"] is None
     float16 = record["options"]["float16"]
     assert float16["selection"] == {"except_op_types": ["Conv"]}
@@ -453,9 +451,7 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
     assert figures["cosine"] > plain["verification"]["cosine"]
     assert figures["cosine_mean"] > plain["verification"]["cosine_mean"]
 
-    again = compile_rknn(
-        [export_dir], calibration, "RK3588", options, "w8a8", toolchain, second
-    )
+    again = compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, second)
     assert _digests(first) == _digests(second)
     assert again["options"]["float16"] == float16
 

@@ -306,8 +306,9 @@ def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
         for index, graph in enumerate(export.graphs):
             feeds = host_feeds(export.meta, graph, call_ids, call.position, tables[call.variant])
             arrays.update({f"chunk{index}/{name}": value for name, value in feeds.items()})
-        path = Path(work_dir) / f"verify_call{number:04d}.npz"
+        path = (Path(work_dir) / f"verify_call{number:04d}.npz").resolve()
         np.savez(path, **arrays)
+        # Absolute: the job runs in a scratch directory of its own (or a container).
         calls.append({"variant": call.variant, "position": call.position, "feeds": str(path)})
     return calls
 
@@ -437,6 +438,20 @@ def verification(
     }
 
 
+def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, runner: str,
+           reference_label=None) -> dict:  # fmt: skip
+    """The figures of ``compiled`` against ``reference`` over the held-out ``text``, with the
+    floors of the request's precision (``floors``: the backend's FLOORS) applied."""
+    return verification(
+        fidelity(reference, compiled, text["ids"][1:]),
+        floors_for(floors, request.options, request.precision),
+        schedule=schedule,
+        text=text["text"],
+        runner=runner,
+        reference=reference_label,
+    )
+
+
 def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
     """One line naming what failed and what to try, when the verification failed."""
     if record["passed"]:
@@ -459,6 +474,11 @@ def read_toolchain(stamp_path, backend: str) -> dict:
             f"no toolchain given: pass --toolchain results/toolchains/{backend}-<runtime>.json"
         )
     return read_stamp(stamp_path)
+
+
+def version(stamp: dict, package: str) -> str:
+    """A toolchain package's version as its stamp recorded it."""
+    return stamp.get("versions", {}).get(package, "?")
 
 
 def toolchain_record(stamp: dict, extra_versions=None) -> dict:

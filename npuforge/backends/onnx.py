@@ -91,15 +91,11 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         logits = base.reference_logits({"decode": shipped}, schedule, text["ids"])
         if export.meta.get("embedding"):
             (tmp / export.meta["embedding"]["file"]).unlink()
-        figures = base.fidelity(expected.reshape(len(schedule), -1), logits, text["ids"][1:])
-        verification = base.verification(
-            figures,
-            base.floors_for(FLOORS, request.options, request.precision),
-            schedule=schedule,
-            text=text["text"],
+        verification = base.verify(
+            request, FLOORS, schedule, text, expected.reshape(len(schedule), -1), logits,
             runner=f"onnxruntime {metadata.version('onnxruntime')} CPU, the shipped graphs",
-            reference=reference,
-        )
+            reference_label=reference,
+        )  # fmt: skip
         record = {
             "backend": NAME,
             "target": request.target,

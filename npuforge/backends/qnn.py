@@ -234,7 +234,6 @@ def _verification(request, checked, result, stamp) -> dict:
     import numpy as np
 
     schedule, text, reference = checked
-    options, precision = request.options, request.precision
     outputs = dict(np.load(result["verification"]["outputs"]))
     logits = [name[len("reference/") :] for name in outputs if name.startswith("reference/")]
     if not logits:
@@ -248,18 +247,13 @@ def _verification(request, checked, result, stamp) -> dict:
             f"runner {list(reference.shape)}: the spec and the job disagree; rerun with one "
             "npuforge checkout"
         )
-    figures = base.fidelity(reference, compiled, text["ids"][1:])
     print(
         f"simulator verification: {result['verification']['simulator_seconds']} s", file=sys.stderr
     )
-    verification = base.verification(
-        figures,
-        base.floors_for(FLOORS, options, precision),
-        schedule=schedule,
-        text=text["text"],
-        runner=f"QNN HTP x86 simulator (onnxruntime-qnn "
-        f"{stamp.get('versions', {}).get('onnxruntime-qnn', '?')})",
-    )
+    verification = base.verify(
+        request, FLOORS, schedule, text, reference, compiled,
+        runner=f"QNN HTP x86 simulator (onnxruntime-qnn {base.version(stamp, 'onnxruntime-qnn')})",
+    )  # fmt: skip
     # The job's own onnxruntime CPU run on the same feeds: tells a compiler error
     # (this is ~0) from a feeding error (this is large too).
     job_cpu = base.fidelity(reference, outputs[f"reference/{logits[0]}"])

@@ -13,7 +13,7 @@ The vendor steps, per chunk of a decode export (the rest is ``npuforge.backends.
    chunk's logits are the whole compiled model's; ``compile.json`` adds the op
    placement (CPU-fallback count) and how the model was split.
 
-Reproducible bytes: see ``npuforge/jobs/pinned.py`` (rknn-toolkit2 writes
+Reproducible bytes: ``npuforge/jobs/job_stage.py`` (rknn-toolkit2 writes
 uninitialised heap bytes and stale pointers into the .rknn).
 
 No heavy imports at module level: the registry imports this module while the
@@ -351,15 +351,11 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             )
         shutil.rmtree(work)
 
-        figures = base.fidelity(reference, logits, text["ids"][1:])
-        verification = base.verification(
-            figures,
-            base.floors_for(FLOORS, options, precision),
-            schedule=schedule,
-            text=text["text"],
-            runner=f"rknn-toolkit2 {stamp.get('versions', {}).get('rknn-toolkit2', '?')} "
-            "simulator, chunks chained",
-        )
+        verification = base.verify(
+            request, FLOORS, schedule, text, reference, logits,
+            runner=f"rknn-toolkit2 {base.version(stamp, 'rknn-toolkit2')} simulator, "
+            "chunks chained",
+        )  # fmt: skip
         record = {
             "backend": NAME,
             "target": target,

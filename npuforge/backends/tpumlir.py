@@ -1,14 +1,8 @@
 """Sophgo TPU-MLIR backend: ONNX prefill + decode graphs -> one combined bmodel.
 
-Per graph, TPU-MLIR's documented chain (quick start, "Compile the ONNX model"):
-
-    model_transform.py  ONNX -> top MLIR, static shapes; compares the MLIR with
-                        onnxruntime on --test_input and writes --test_result
-    run_calibration.py  INT8 only: calibration table from .npz samples (--data_list)
-    model_deploy.py     top MLIR -> bmodel for --processor at --quantize; compares the
-                        tpu MLIR with --test_reference and the bmodel with the tpu
-                        MLIR, failing below --tolerance
-    model_tool --combine  decode + prefill bmodels -> one bmodel with both nets
+Per graph, TPU-MLIR's documented chain (quick start, "Compile the ONNX model";
+``tpumlir_commands``): model_transform, run_calibration (INT8), model_deploy, then
+model_tool --combine of the decode and prefill bmodels.
 
 Then the combined bmodel runs on TPU-MLIR's cmodel over the held-out text (one
 prefill call, then decode calls carrying the states; ``npuforge.backends.base``)
@@ -424,15 +418,11 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
         shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
         logits = np.load(spec["verify"]["outputs"])
-        figures = base.fidelity(reference, logits, text["ids"][1:])
-        verification = base.verification(
-            figures,
-            base.floors_for(FLOORS, options, precision),
-            schedule=schedule,
-            text=text["text"],
-            runner=f"TPU-MLIR {stamp.get('versions', {}).get('tpu_mlir', '?')} cmodel "
-            "(pyruntime_bm), the combined bmodel's nets",
-        )
+        verification = base.verify(
+            request, FLOORS, schedule, text, reference, logits,
+            runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
+            "combined bmodel's nets",
+        )  # fmt: skip
         split = schedule[0].tokens if schedule[0].variant == "prefill" else 0
         if split:
             verification["prefill"] = base.fidelity(reference[:split], logits[:split])

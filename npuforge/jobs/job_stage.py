@@ -1,22 +1,41 @@
-"""Run a toolchain job from a fixed-path stage (standard library only).
+"""Reproducible vendor binaries: the pinned process every toolchain job compiles in.
 
-Used inside the toolchain environments by rknn_job.py and qnn_job.py, which load
-it by path. rknn-toolkit2 and QAIRT's HTP compiler copy uninitialised memory
-(struct padding, unused halves of fp16 vectors) into their binaries. What that
-memory holds follows the process's heap history, which shifts with the length
-of every path and environment string the process handles: the checkout, the
-inputs, the toolchain venv (the dynamic loader resolves the real path of every
-shared library for $ORIGIN) and the caller's environment. A job therefore runs
-its compile in a fresh process from ``/tmp/npuforge-<kind>-<hash>``, whose name
-depends only on the staged spec:
+rknn-toolkit2 and QAIRT's HTP compiler copy uninitialised memory into their
+binaries: struct padding holding stale heap pointers (rknn-toolkit2), and the
+unused 16-bit halves of fp16 constants' 128-byte HVX vectors, which hold earlier
+tensors' values and freed objects' pointers (QAIRT 2.51). What that memory holds
+follows the process's whole allocation history, so a job repeats its bytes only
+in a process whose history repeats:
 
-* inputs are reached through symlinks with fixed names (``links``);
-* ``py/`` is a venv of fixed content: a pyvenv.cfg naming the base interpreter,
-  ``bin/python`` linking to it, and site-packages hard-linked from the real venv
-  when one filesystem holds both (else a symlink, and the venv's location still
-  shows: ``site_packages_mode`` tells which);
-* the environment is replaced by a fixed one, and modules are compiled afresh
-  (cached .pyc files carry the paths they were compiled at).
+* glibc fills every fresh heap block with one pattern (``MALLOC_PERTURB_=85``);
+  the tcache skips that fill and keys blocks per process, so QNN jobs turn it off
+  (``glibc.malloc.tcache_count=0``); rknn jobs use one malloc arena and one CPU;
+* ``PYTHONHASHSEED=0``: Python's own allocation order (sets, dicts) repeats;
+* no address randomisation (``personality(ADDR_NO_RANDOMIZE)``, ``disable_aslr``):
+  the stale pointers, and allocation decisions that depend on them, repeat.
+  Container engines' default seccomp profiles refuse the call unless allowed
+  (npuforge.toolchain adds a rule); the job then runs randomised and says so;
+* the heap history also follows the length of every path and environment string
+  the process handles (the checkout, the inputs, the toolchain venv: the dynamic
+  loader resolves every shared library's real path for $ORIGIN), so the compile
+  runs in a fresh process from ``/tmp/npuforge-<kind>-<hash>``, a stage whose name
+  depends only on the staged spec (``make_stage``):
+
+  - inputs are reached through symlinks with fixed names (``links``);
+  - ``py/`` is a venv of fixed content: a pyvenv.cfg naming the base interpreter,
+    ``bin/python`` linking to it, and site-packages hard-linked from the real venv
+    when one filesystem holds both (else a symlink, and the venv's location still
+    shows: ``site_packages_mode`` tells which);
+  - the environment is replaced by a fixed one (``fixed_environment``), and
+    modules are compiled afresh (cached .pyc files carry the paths they were
+    compiled at).
+
+What stays different is the interpreter binary and the shared libraries around
+it: a native venv and a container image differ in a few dozen padding bytes, so
+bytes are promised identical per toolchain runtime (the manifest names it).
+``heap_settings`` reports what a process actually ran with, for the record.
+
+Standard library only: vendor jobs import this module inside their toolchain.
 """
 
 import hashlib
@@ -28,6 +47,49 @@ import sys
 import sysconfig
 
 STAGE_ROOT = "/tmp"
+MALLOC_PERTURB = "85"
+TCACHE_OFF = "glibc.malloc.tcache_count=0"
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def disable_aslr() -> bool:
+    """Turn off address randomisation for this process's future execs and children;
+    True if it took (a container's seccomp profile may refuse it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
+        libc.personality.argtypes = [ctypes.c_ulong]
+        current = libc.personality(0xFFFFFFFF)
+        return current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1
+    except (OSError, AttributeError):
+        return False
+
+
+def one_cpu() -> None:
+    """Run this process (and what it execs) on one CPU: thread pools size themselves by
+    the CPUs allowed, and threads' allocations interleave by load. Any one CPU will do;
+    concurrent jobs spread over the allowed ones."""
+    if hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
+
+
+def heap_settings() -> dict:
+    """What this process actually runs with (for compile.json)."""
+    try:
+        with open("/proc/self/personality", encoding="ascii") as handle:
+            personality = int(handle.read(), 16)
+    except (OSError, ValueError):
+        personality = 0
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return {
+        "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
+        "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
+        "tcache_disabled": TCACHE_OFF in tunables.split(":"),
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
+    }
 
 
 def _system_site_packages() -> bool:

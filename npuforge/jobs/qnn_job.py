@@ -30,11 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and its sibling
-# backend modules (npuforge/backends/onnx.py) would shadow the real packages.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
 EP_NAME = "QNNExecutionProvider"
 # Op types whose float initializers stay 16 bit: normalisations divide by a
 # variance that 8-/4-bit parameters distort (seed 001 keeps them in fp16).
@@ -536,6 +531,8 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
             twin.parent.mkdir(parents=True, exist_ok=True)
             generate_contexts(ort, devices, options, [(source, twin)], share=False)
             twins[graph["variant"]] = str(twin)
+    import job_stage  # only now: the binaries are written (see job_stage.py)
+
     return {
         "index": index,
         "context_seconds": round(seconds, 3),
@@ -544,59 +541,14 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
         "ctx": ctx,
         "quantization": quantization,
         "simulate_ctx": twins,
-        "heap": heap_settings(),
+        "heap": job_stage.heap_settings(),
     }
-
-
-# Heap settings for the chunk processes (see compile_chunks). tcache_count=0 sends
-# every malloc through the path that applies MALLOC_PERTURB_ (tcache hits skip it
-# and carry a per-process random key).
-MALLOC_PERTURB = "85"
-TCACHE_OFF = "glibc.malloc.tcache_count=0"
-ADDR_NO_RANDOMIZE = 0x0040000
-
-
-def _disable_aslr() -> bool:
-    """Turn off address randomisation for the processes this one starts; True if it took."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
-        libc.personality.argtypes = [ctypes.c_ulong]
-        current = libc.personality(0xFFFFFFFF)
-        return current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1
-    except (OSError, AttributeError):
-        return False
-
-
-def heap_settings() -> dict:
-    """What this process actually runs with, for the manifest's ``reproducible``."""
-    try:
-        personality = int(Path("/proc/self/personality").read_text(), 16)
-    except (OSError, ValueError):
-        personality = 0
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    return {
-        "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
-        "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
-        "tcache_disabled": TCACHE_OFF in tunables.split(":"),
-        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
-    }
-
-
-def _load_job_stage():
-    """npuforge/backends/job_stage.py, loaded by path (this directory is off sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("job_stage", _HERE / "job_stage.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def chunk_env(environ: dict) -> dict:
-    """Heap settings on top of ``environ`` (other GLIBC_TUNABLES kept)."""
+    """Heap settings on top of ``environ`` (other GLIBC_TUNABLES kept; see job_stage.py)."""
+    from job_stage import MALLOC_PERTURB, TCACHE_OFF
+
     tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
     tunables = [t for t in tunables if not t.startswith("glibc.malloc.tcache_count=")]
     return dict(
@@ -672,28 +624,15 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
 
 
 def compile_chunks(spec: dict, spec_path: str) -> dict:
-    """Compile every chunk, each in a fresh process with fixed heap contents and addresses.
-
-    QAIRT 2.51's HTP compiler leaves the padding half-words of some fp16 constant
-    tensors (HVX vectors with every other 16-bit slot unused) uninitialised, so
-    whatever its heap held there lands in the binary: freed objects' vtable and
-    heap pointers, an earlier tensor's values, tcache keys. The chunk process
-    runs with MALLOC_PERTURB_ (every allocation filled with 0xaa), the glibc
-    tcache off (its hits skip that fill), PYTHONHASHSEED=0 and address
-    randomisation off (the pointers, and the allocation order that depends on
-    them, repeat), and generates contexts prepare-only (GENERATION_OPTIONS): no
-    simulator threads run beside the serialiser. The heap history also follows
-    the lengths of the process's paths and environment, so each chunk runs from
-    a fixed-path stage with a fixed environment (job_stage.py): builds repeat
-    byte for byte wherever the checkout and the toolchain live. Containers whose
-    seccomp profile refuses personality() run with randomisation; the result
-    says so.
-    """
+    """Compile every chunk in a fresh pinned process from its own stage (job_stage.py
+    explains why), generating contexts prepare-only (GENERATION_OPTIONS): no simulator
+    threads run beside the serialiser."""
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
     work_dir.mkdir(parents=True, exist_ok=True)
-    _disable_aslr()  # inherited by the chunk processes
-    job_stage = _load_job_stage()
+    import job_stage
+
+    job_stage.disable_aslr()  # inherited by the chunk processes
     chunks = [_compile_staged(spec, chunk, job_stage) for chunk in spec["chunks"]]
     _, _, htp_library = register_qnn()
     options = provider_options(spec, htp_library)

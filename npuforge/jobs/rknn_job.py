@@ -18,18 +18,9 @@ The simulator only works inside the RKNN object that built the model, so the
 build, the export and the recurrent run happen in this one process: state
 inputs start at zero and take the simulator's own state outputs on each step.
 
-Reproducible bytes. rknn-toolkit2 2.5.0 writes into the .rknn (a) heap bytes it
-allocated but never initialised and (b) stale pointers from uninitialised struct
-padding (about 10-30 bytes early in the file; every other byte is the same).
-(a) needs glibc's MALLOC_PERTURB_; (b) needs the same memory layout every run: no
-address-space randomisation (personality ADDR_NO_RANDOMIZE), one malloc arena,
-one CPU, a fixed PYTHONHASHSEED, one OpenMP thread, and the same path strings,
-environment and argv, since their sizes shift the heap and the stack. So the job
-re-executes once from a staging directory with a fixed path (job_stage.py): the
-interpreter, the inputs and the spec are reached through symlinks and relative
-names there, and the environment is replaced by a fixed one. Container engines'
-default seccomp profiles refuse the personality call unless allowed; the job then
-runs with randomisation and says so in its result (``aslr_disabled: false``).
+Reproducible bytes: the job re-executes itself once, pinned, from a fixed-path
+stage (``job_stage.py`` explains why and how); the staged spec reaches the inputs
+through fixed relative names and ``dest.json`` keeps the real outputs.
 """
 
 import json
@@ -37,11 +28,6 @@ import os
 import re
 import sys
 import time
-
-# This file sits next to npuforge/backends/rknn.py, which would shadow the
-# toolkit's own ``rknn`` package: drop the script's directory from the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def _redirect_fds(path):
@@ -92,26 +78,16 @@ def parse_placement(log_text):
 
 _LOG = {}
 _PINNED = "NPUFORGE_RKNN_PINNED"
+# The pinned process's environment (job_stage.py explains each setting).
 _DETERMINISTIC_ENV = {
     "MALLOC_PERTURB_": "85",
     "MALLOC_ARENA_MAX": "1",
     "PYTHONHASHSEED": "0",
     "OMP_NUM_THREADS": "1",
 }
-ADDR_NO_RANDOMIZE = 0x0040000
 # Spec keys naming files the build reads or writes; the staged spec reaches them
 # through fixed relative names, and ``dest.json`` keeps the real ones.
 _STAGED_NAMES = {"onnx": "in", "dataset": "cal"}
-
-
-def _load_job_stage():
-    """npuforge/backends/job_stage.py, loaded by path (this directory is off sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("job_stage", os.path.join(_HERE, "job_stage.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _stage(spec_path):
@@ -120,7 +96,8 @@ def _stage(spec_path):
     The staged spec names inputs by fixed relative paths and leaves out the real
     outputs, which ``dest.json`` keeps for after the export.
     """
-    job_stage = _load_job_stage()
+    import job_stage
+
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
     links = {}
@@ -146,24 +123,14 @@ def _deterministic_reexec():
     """Re-execute this script once from the staging directory (see module doc)."""
     if os.environ.get(_PINNED):
         return
+    import job_stage
+
     stage, python, lock = _stage(sys.argv[1])
     os.set_inheritable(lock, True)  # held across exec, released when the job ends
-    env = _load_job_stage().fixed_environment(stage, {**_DETERMINISTIC_ENV, _PINNED: "aslr-on"})
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        # unsigned long, as declared: a sign-extended -1 would not match seccomp rules.
-        libc.personality.argtypes = [ctypes.c_ulong]
-        current = libc.personality(0xFFFFFFFF)
-        if current != -1 and libc.personality(current | ADDR_NO_RANDOMIZE) != -1:
-            env[_PINNED] = "aslr-off"
-    except (OSError, AttributeError):
-        pass
-    if hasattr(os, "sched_setaffinity"):
-        # Any one CPU will do; spread concurrent jobs over the allowed ones.
-        allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
+    env = job_stage.fixed_environment(stage, {**_DETERMINISTIC_ENV, _PINNED: "aslr-on"})
+    if job_stage.disable_aslr():
+        env[_PINNED] = "aslr-off"
+    job_stage.one_cpu()
     os.chdir(stage)
     os.execve(python, [python, "job.py", "spec.json"], env)
 
@@ -344,13 +311,15 @@ def main(spec_path):
     if dest["rknn"] != spec["rknn"]:
         shutil.copyfile(spec["rknn"], dest["rknn"])
 
+    import job_stage  # only now: the .rknn is written (see job_stage.py)
+
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         placement = parse_placement(handle.read())
     result = {
         "placement": placement,
         "timings": timings,
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
-        "site_packages": _load_job_stage().site_packages_mode(),
+        "site_packages": job_stage.site_packages_mode(),
         "hybrid": hybrid_record,
     }
     with open(dest["result"], "w", encoding="utf-8") as handle:
@@ -366,5 +335,7 @@ if __name__ == "__main__":
         sys.exit(1)
     finally:
         if os.path.isfile("dest.json"):
+            import job_stage
+
             # The lock fd came across exec and is still held until exit.
-            _load_job_stage().remove_stage(os.getcwd())
+            job_stage.remove_stage(os.getcwd())
