@@ -43,9 +43,9 @@ def main():
     parser.add_argument("--vocab", type=int, default=65536)
     args = parser.parse_args()
 
-    from npuforge.export import export_checkpoint
+    from npuforge import models
     from npuforge.fileio import write_json
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -54,9 +54,8 @@ def main():
             ckpt, version=7, layers=args.layers, embed=args.embed, vocab=args.vocab, seed=0
         )
         export = tmp / "export"
-        export_checkpoint(
-            ckpt, export, variant="decode", chunks=1, dtype="fp32", ext_embedding=True
-        )
+        options = {"variant": "decode", "chunks": 1, "dtype": "fp32", "ext_embedding": True}
+        models.export("rwkv", ckpt, export, options)
         onnx_path = export / "chunk0.onnx"
         import math
 

@@ -21,181 +21,20 @@ reach ranges later ones never do. ``zero_state=True``
 captures at the first call instead (all states zero): the weak calibration
 that shows why real runs matter.
 
-Layout (docs/interfaces.md, "Calibration directory"); every path in a list
-file is relative to that list file's directory, so the directory can move::
-
-    calibration.json
-    rknn/chunk{i}/dataset.txt         one line per sample: space-separated .npy files
-    rknn/chunk{i}/sample{j}_{k}.npy   input k of chunk i (graph input order)
-    qnn/chunk{i}/input_list.txt       one line per sample: name:=file.raw ...
-    qnn/chunk{i}/sample{j}_{k}.raw    raw little-endian tensor data
-    tpumlir/chunk{i}/sample{j}.npz    keys = input names
-
-Everything is byte-identical for the same export, text, and options.
+The directory holds ``calibration.json`` and the samples in every vendor's format
+(``npuforge.calibration_formats``). Everything is byte-identical for the same
+export, text, and options.
 """
 
-import functools
-import hashlib
-import io
-import zipfile
 from pathlib import Path
 
+from npuforge.calibration_formats import write_vendor_samples
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
+from npuforge.texts import heldout_tokens, read_documents, text_digest, tokenize_documents
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
-DEFAULT_TEXT = DATA_DIR / "text"
-HELDOUT_TEXT = DATA_DIR / "heldout.txt"
 # Held-out tokens recorded in calibration.json for verification runs.
 VERIFY_TOKENS = 128
-# A zip entry's timestamp; fixed so .npz files are byte-deterministic.
-ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-def _text_files(path: Path) -> list:
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-        if not files:
-            raise NpuforgeError(f"calibration text directory {path} has no .txt files")
-        return files
-    if path.is_file():
-        return [path]
-    raise NpuforgeError(f"calibration text {path} does not exist: pass a .txt file or directory")
-
-
-def read_documents(path=None) -> list:
-    """``[(relative name, text)]`` of a calibration text file or directory, sorted by name."""
-    path = Path(path or DEFAULT_TEXT)
-    base = path if path.is_dir() else path.parent
-    docs = []
-    for file in _text_files(path):
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise NpuforgeError(f"{file} is not UTF-8 text; convert it or leave it out") from None
-        docs.append((file.relative_to(base).as_posix(), text))
-    return docs
-
-
-def text_digest(documents) -> str:
-    digest = hashlib.sha256()
-    for name, text in documents:
-        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
-    return digest.hexdigest()
-
-
-@functools.cache
-def world_tokenizer():
-    """The RWKV World tokenizer: ``encode(str) -> list[int]``.
-
-    Prefers the project's ``npuforge.tokenizer`` when it offers ``encode``;
-    otherwise the vocabulary shipped in BlinkDL's ``rwkv`` package (the same one).
-    """
-    try:
-        from npuforge import tokenizer as project_tokenizer
-
-        loader = getattr(project_tokenizer, "world_tokenizer", None)
-        if loader is not None:
-            return loader()
-    except ImportError:
-        pass
-    import os
-
-    try:
-        import rwkv
-        from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
-    except ImportError:
-        raise NpuforgeError(
-            "no World tokenizer: install the 'rwkv' package (pip install rwkv) in the main env"
-        ) from None
-    return TRIE_TOKENIZER(os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt"))
-
-
-def tokenize_documents(documents, vocab_size: int, tokenizer=None) -> list:
-    """One int64 token array per document; ids folded into ``vocab_size`` for toy vocabularies."""
-    import numpy as np
-
-    tokenizer = tokenizer or world_tokenizer()
-    arrays = []
-    for _, text in documents:
-        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-        arrays.append(ids % int(vocab_size))
-    return arrays
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: the fallback for a checkpoint without a tokenizer.
-
-    Not the model's vocabulary (there is none): only deterministic, in-range ids
-    (bytes folded into the vocabulary size) for calibration and verification runs.
-    """
-
-    def encode(self, text: str) -> list:
-        return list(text.encode("utf-8"))
-
-
-class HfTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
-
-    def __init__(self, path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise NpuforgeError(
-                "calibrating a model with a tokenizer.json needs the 'tokenizers' package"
-            ) from None
-        self._tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def tokenizer_for(meta: dict, checkpoint=None) -> tuple:
-    """``(tokenizer, description)`` for the texts of an export's model.
-
-    RWKV: the World tokenizer. Llama family: the checkpoint's ``tokenizer.json`` when
-    it has one, else the byte fallback (labelled so in calibration.json).
-    """
-    if meta.get("family", "rwkv") == "rwkv":
-        return world_tokenizer(), {"kind": "rwkv-world"}
-    path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
-    if path is not None and path.is_file():
-        from npuforge.fileio import sha256_file
-
-        return HfTokenizer(path), {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
-    why = "the checkpoint has no tokenizer.json" if checkpoint else "no --checkpoint given"
-    return ByteTokenizer(), {
-        "kind": "bytes",
-        "note": f"{why}: token ids are UTF-8 bytes folded into the vocabulary, not a vocabulary",
-    }
-
-
-def heldout_tokens(count: int, vocab_size: int, text=None, tokenizer=None):
-    """``count`` tokens of the held-out text (repeated if short): the verification input."""
-    import numpy as np
-
-    docs = read_documents(text or HELDOUT_TEXT)
-    ids = np.concatenate(tokenize_documents(docs, vocab_size, tokenizer))
-    if ids.size == 0:
-        raise NpuforgeError("held-out verification text is empty")
-    return np.resize(ids, int(count)).astype(np.int64)
-
-
-def verification_tokens(count: int, vocab_size: int, calibration_dirs=()) -> list[int]:
-    """``count`` held-out token ids, the recurrent checks' input: the ``tokens`` a
-    calibration.json recorded (model tokenizer) when one of ``calibration_dirs`` (a
-    directory or a list) has enough, else the held-out text tokenized here."""
-    if count <= 0:
-        return []
-    if isinstance(calibration_dirs, (str, Path)):
-        calibration_dirs = [calibration_dirs]
-    for directory in calibration_dirs or ():
-        meta = Path(directory) / "calibration.json"
-        recorded = read_json(meta).get("tokens", []) if meta.is_file() else []
-        if len(recorded) >= count:
-            return [int(t) for t in recorded[:count]]
-    return [int(t) for t in heldout_tokens(count, vocab_size)]
 
 
 # Input roles every runner feeds the same way; any other role is position-dependent.
@@ -269,22 +108,6 @@ def _feeds_of_run(chain, tokens, capture_step):
     return captured
 
 
-def _npy_bytes(array) -> bytes:
-    import numpy as np
-
-    buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _write_npz(path: Path, arrays: dict) -> None:
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        for name in sorted(arrays):
-            info = zipfile.ZipInfo(f"{name}.npy", date_time=ZIP_EPOCH)
-            info.external_attr = 0o644 << 16
-            archive.writestr(info, _npy_bytes(arrays[name]))
-
-
 def make_calibration_samples(
     export_dir,
     out_dir,
@@ -298,10 +121,10 @@ def make_calibration_samples(
 ) -> dict:
     """Capture ``samples`` input sets of every chunk and write them in each vendor format.
 
-    ``checkpoint``: the exported checkpoint, whose tokenizer (``tokenizer_for``) turns
-    the texts into ids for Llama-family exports; RWKV uses the World tokenizer.
+    ``checkpoint``: the exported checkpoint, whose family's tokenizer turns the texts
+    into ids (the checkpoint's tokenizer.json for Llama-family exports; RWKV uses the
+    World tokenizer).
     """
-    import numpy as np
 
     from npuforge.runtime import GraphChain
 
@@ -317,7 +140,9 @@ def make_calibration_samples(
     per_call = chain.tokens_per_call
     check_calls_fit(meta, 1 if zero_state else steps, export_dir)
     documents = read_documents(text)
-    tokenizer, tokenizer_info = tokenizer_for(meta, checkpoint)
+    from npuforge import models
+
+    tokenizer, tokenizer_info = models.family(meta.get("family", "rwkv")).tokenizer(checkpoint)
     doc_tokens = tokenize_documents(documents, meta["vocab_size"], tokenizer)
     positional = any(
         spec["role"] not in RUNNER_ROLES for graph in meta["graphs"] for spec in graph["inputs"]
@@ -333,47 +158,7 @@ def make_calibration_samples(
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        chunks = []
-        for index, graph in enumerate(graphs):
-            names = [spec["name"] for spec in graph["inputs"]]
-            rknn_dir = tmp / "rknn" / f"chunk{index}"
-            qnn_dir = tmp / "qnn" / f"chunk{index}"
-            tpu_dir = tmp / "tpumlir" / f"chunk{index}"
-            for folder in (rknn_dir, qnn_dir, tpu_dir):
-                folder.mkdir(parents=True)
-            dataset_lines, input_lines, npz_files = [], [], []
-            for j, run in enumerate(captured):
-                feeds = run[index]
-                npy_files, raw_entries = [], []
-                for k, spec in enumerate(graph["inputs"]):
-                    value = np.ascontiguousarray(feeds[spec["name"]], dtype=spec["dtype"])
-                    npy = f"sample{j}_{k}.npy"
-                    (rknn_dir / npy).write_bytes(_npy_bytes(value))
-                    npy_files.append(npy)
-                    raw = f"sample{j}_{k}.raw"
-                    little_endian = value.astype(value.dtype.newbyteorder("<"))
-                    (qnn_dir / raw).write_bytes(little_endian.tobytes())
-                    raw_entries.append(f"{spec['name']}:={raw}")
-                dataset_lines.append(" ".join(npy_files))
-                input_lines.append(" ".join(raw_entries))
-                npz = f"sample{j}.npz"
-                _write_npz(tpu_dir / npz, {n: feeds[n] for n in names})
-                npz_files.append(f"tpumlir/chunk{index}/{npz}")
-            (rknn_dir / "dataset.txt").write_text("\n".join(dataset_lines) + "\n")
-            (qnn_dir / "input_list.txt").write_text("\n".join(input_lines) + "\n")
-            chunks.append(
-                {
-                    "index": index,
-                    "file": graph["file"],
-                    "inputs": [
-                        {k: spec[k] for k in ("name", "shape", "dtype", "role")}
-                        for spec in graph["inputs"]
-                    ],
-                    "rknn": {"dataset": f"rknn/chunk{index}/dataset.txt"},
-                    "qnn": {"input_list": f"qnn/chunk{index}/input_list.txt"},
-                    "tpumlir": {"npz": npz_files},
-                }
-            )
+        chunks = write_vendor_samples(tmp, graphs, captured)
         record = {
             "samples": samples,
             "steps": steps,

@@ -1,16 +1,14 @@
-"""Load RWKV checkpoints without executing code, and describe them.
+"""Read checkpoint files without executing code.
 
-Both BlinkDL ``.pth`` files (zip format, read with ``torch.load(weights_only=True,
-mmap=True)``) and ``.safetensors`` are supported. The version and dimensions
-are detected from the key names and shapes (``npuforge.models.rwkv``); any
-other layout, a missing or mis-shaped key, a truncated file or a pickle that
-carries code is rejected with one NpuforgeError line.
+``.pth`` files (zip format, read with ``torch.load(weights_only=True, mmap=True)``)
+and ``.safetensors`` (a private file mapping) become tensors; a truncated file or
+a pickle that carries code is rejected with one NpuforgeError line. What the
+tensors mean is the model family's business (``npuforge.models.<family>``).
 """
 
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
-from npuforge.fileio import sha256_file
 
 
 class Checkpoint:
@@ -157,51 +155,20 @@ def _load_safetensors(path: Path) -> dict:
     return tensors
 
 
-def load_checkpoint(path) -> Checkpoint:
-    """Open ``path`` (.pth or .safetensors), detect and validate its RWKV layout."""
-    from npuforge.models import rwkv
-
+def read_tensors(path) -> dict:
+    """The tensors of one .pth or .safetensors file, without executing code."""
     path = Path(path)
     if not path.is_file():
         raise NpuforgeError(f"{path}: checkpoint file not found; check the path")
     if path.suffix == ".safetensors":
-        tensors = _load_safetensors(path)
-    elif path.suffix == ".pth":
-        tensors = _load_pth(path)
-    else:
-        raise NpuforgeError(f"{path}: unknown checkpoint extension; use .pth or .safetensors")
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    config = rwkv.config_from_shapes(shapes, source=str(path))
-    return Checkpoint(path, tensors, config)
+        return _load_safetensors(path)
+    if path.suffix == ".pth":
+        return _load_pth(path)
+    raise NpuforgeError(f"{path}: unknown checkpoint extension; use .pth or .safetensors")
 
 
-def inspect_checkpoint(path) -> dict:
-    """The facts ``inspect_checkpoint.py`` writes to info.json.
+def inspect_checkpoint(path, family: str) -> dict:
+    """What ``inspect_checkpoint.py`` writes: the family's own reading of the checkpoint."""
+    from npuforge import models
 
-    A directory is a Hugging Face Llama-family checkpoint (``inspect_llama``); a file
-    is an RWKV checkpoint.
-    """
-    if Path(path).is_dir():
-        from npuforge.models.llama import inspect_llama
-
-        return inspect_llama(path)
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.config
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in ckpt.tensors.values()})
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-    return {
-        "family": "rwkv",
-        "version": cfg.version,
-        "n_layers": cfg.n_layers,
-        "embed_dim": cfg.embed_dim,
-        "head_size": cfg.head_size,
-        "n_heads": cfg.n_heads,
-        "vocab_size": cfg.vocab_size,
-        "ffn_dim": cfg.ffn_dim,
-        "lora_ranks": dict(cfg.lora),
-        "n_params": int(sum(t.numel() for t in ckpt.tensors.values())),
-        "dtype": short.get(dtypes[0], dtypes[0]) if len(dtypes) == 1 else "mixed",
-        "file": Path(path).name,
-        "file_bytes": Path(path).stat().st_size,
-        "sha256": sha256_file(path),
-    }
+    return models.family(family).inspect(path)

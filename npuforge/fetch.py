@@ -42,7 +42,7 @@ def source_kind(source: dict) -> str:
     return kinds[0]
 
 
-def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
+def fetch(source: dict, expected_sha256: str | None, out, record, family: str = "rwkv") -> dict:
     """Place the checkpoint at ``out`` and its provenance at ``record``; return the record."""
     kind = source_kind(source)
     out = Path(out)
@@ -67,7 +67,7 @@ def fetch(source: dict, expected_sha256: str | None, out, record) -> dict:
                 raise NpuforgeError(_wrong_kind(local))
             (_place_tree if tree else _place)(local, tmp)
         else:
-            _make_synthetic(source["synthetic"], tmp, fmt=out.suffix.lstrip("."))
+            _make_synthetic(source["synthetic"], tmp, out.suffix.lstrip("."), family)
         if tree != tmp.is_dir():
             raise NpuforgeError(
                 f"{_describe(source)} gives a {'directory' if tmp.is_dir() else 'file'}, but the "
@@ -211,7 +211,7 @@ def _first_line(err) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _make_synthetic(spec: dict, out: Path, fmt: str) -> None:
-    from npuforge.synthetic import write_synthetic_source
+def _make_synthetic(spec: dict, out: Path, fmt: str, family: str) -> None:
+    from npuforge import models
 
-    write_synthetic_source(out, spec, fmt)
+    models.family(family).write_synthetic(out, spec, fmt)

@@ -2,10 +2,11 @@
 
 ``data/calibration/heldout.txt`` is never used for calibration. Every backend
 verifies its binaries over these ids (``npuforge.backends.base``), so fidelity is
-measured on real text in the model's own vocabulary: the World tokenizer for
-``tokenizer: rwkv-world``, the checkpoint's tokenizer.json for ``tokenizer: hf``,
-and for ``tokenizer: none`` (random test weights) UTF-8 bytes folded into the
-vocabulary, labelled so. The file (``results/heldout/{model}.json``)::
+measured on real text in the model's own vocabulary: the family's tokenizer
+(``npuforge.models.<family>.tokenizer``: the World vocabulary for RWKV, the
+checkpoint's tokenizer.json for the llama family, and for a checkpoint without
+one, random test weights, UTF-8 bytes folded into the vocabulary, labelled so).
+The file (``results/heldout/{model}.json``)::
 
     {"ids": [...], "count": N, "text": {"source", "sha256", "tokenizer": {...}}}
 """
@@ -19,29 +20,6 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration" / "heldout.t
 SOURCE = "data/calibration/heldout.txt"
 
 
-def tokenizer_for(kind: str, checkpoint=None):
-    """``(tokenizer, description)`` for the registry's ``tokenizer`` kind."""
-    from npuforge import calibration
-
-    if kind == "rwkv-world":
-        return calibration.world_tokenizer(), {"kind": "rwkv-world"}
-    if kind == "hf":
-        path = Path(checkpoint or "") / "tokenizer.json"
-        if not path.is_file():
-            raise NpuforgeError(
-                f"{checkpoint} has no tokenizer.json for tokenizer: hf; set the model's "
-                "tokenizer to none or use a checkpoint that ships one"
-            )
-        description = {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
-        return calibration.HfTokenizer(path), description
-    if kind == "none":
-        return calibration.ByteTokenizer(), {
-            "kind": "bytes",
-            "note": "the model has no tokenizer: UTF-8 bytes folded into the vocabulary",
-        }
-    raise NpuforgeError(f"unknown tokenizer kind {kind!r}: use rwkv-world, hf or none")
-
-
 def tokenize(tokenizer, vocab_size: int) -> list[int]:
     ids = [int(t) % int(vocab_size) for t in tokenizer.encode(TEXT.read_text(encoding="utf-8"))]
     if not ids:
@@ -49,8 +27,10 @@ def tokenize(tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
-def write(kind: str, vocab_size: int, out, checkpoint=None) -> dict:
-    tokenizer, description = tokenizer_for(kind, checkpoint)
+def write(family: str, vocab_size: int, out, checkpoint=None) -> dict:
+    from npuforge import models
+
+    tokenizer, description = models.family(family).tokenizer(checkpoint)
     ids = tokenize(tokenizer, vocab_size)
     record = {
         "ids": ids,
@@ -84,9 +64,10 @@ def fallback_tokens(count: int, export_meta: dict, calibrations=()) -> dict:
                 "ids": [int(t) for t in recorded["tokens"][:count]],
                 "text": {"source": SOURCE, "tokenizer": text.get("tokenizer"), "tokens": count},
             }
-    family = export_meta.get("family", "rwkv")
-    kind = "rwkv-world" if family == "rwkv" else "none"
-    tokenizer, description = tokenizer_for(kind)
+    from npuforge import models
+
+    # No checkpoint here: a family that ships its own tokenizer falls back to bytes.
+    tokenizer, description = models.family(export_meta.get("family", "rwkv")).tokenizer(None)
     ids = tokenize(tokenizer, export_meta["vocab_size"])
     repeated = [ids[i % len(ids)] for i in range(count)]
     return {

@@ -10,13 +10,11 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from npuforge import models
 from npuforge.errors import NpuforgeError
 
 # The backend that needs no vendor toolchain (onnxruntime on the CPU).
 REFERENCE_BACKEND = "onnx"
-# npuforge.models.llama.MASK_VALUE, repeated here: the Snakefile imports this module
-# while parsing and must not import torch (tests check the two agree).
-LLAMA_MASK_VALUE = -64.0
 
 
 @dataclass(frozen=True)
@@ -196,15 +194,8 @@ def export_variants(model: dict, target: dict) -> list[dict]:
     if export.get("external_data"):
         # weights in chunkN.onnx.data even below the 2 GB protobuf limit
         base["external_data"] = True
-    if model["family"] == "llama":
-        # KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
-        # graph choice (the Qualcomm HTP targets ask for it) that changes the bytes.
-        base["cache_len"] = int(model["context_length"])
-        base["sha"] = bool(export.get("sha", False))
-        base["mask_value"] = float(export.get("mask_value", LLAMA_MASK_VALUE))
-    else:
-        base["fp16_fixes"] = bool(export.get("fp16_fixes", True))
-        base["last_token_logits"] = bool(export.get("last_token_logits", False))
+    # The family's own options (its package is light: no torch while the workflow parses).
+    base.update(models.family(model["family"]).export_options(model, export))
     variants = []
     for variant in export["variants"]:
         options = dict(base, variant=variant)

@@ -17,7 +17,6 @@ callback receives ``(chunk_index, feeds)`` before each graph runs; calibration
 uses it to record real inputs.
 """
 
-import importlib
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
@@ -66,13 +65,9 @@ def host_feeds(meta: dict, graph: dict, tokens, position: int, embedding=None) -
                 )
             feeds[name] = np.asarray(embedding[tokens], dtype=spec["dtype"])
         else:
-            family = importlib.import_module(f"npuforge.models.{meta['family']}")
-            if not hasattr(family, "extra_inputs"):
-                raise NpuforgeError(
-                    f"input '{name}' has role '{role}', which the {meta['family']} family "
-                    "does not build; re-export the graphs with this npuforge"
-                )
-            value = family.extra_inputs(meta, spec, position)
+            from npuforge import models
+
+            value = models.family(meta["family"]).extra_inputs(meta, spec, position)
             feeds[name] = np.asarray(value, dtype=spec["dtype"])
     return feeds
 
@@ -92,7 +87,7 @@ class GraphChain:
         self.capture = capture
         self.embedding = None
         if self.meta.get("embedding"):
-            from npuforge.export import read_embedding_bin
+            from npuforge.onnx_io import read_embedding_bin
 
             self.embedding = read_embedding_bin(self.dir / self.meta["embedding"]["file"])
         self._np = np

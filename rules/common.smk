@@ -106,32 +106,6 @@ def target_export_dirs(model, target):
     return [export_dir(model, key) for key in PLAN.export_keys(model, target)]
 
 
-def export_cli_args(model, key):
-    options = PLAN.export_options(model, key)
-    args = [
-        f"--variant {options['variant']}",
-        f"--dtype {options['dtype']}",
-        f"--chunks {options['chunks']}",
-        f"--batch {options['batch']}",
-        f"--tokens {options['tokens']}",
-    ]
-    if options["ext_embedding"]:
-        args.append("--ext-embedding")
-    if options.get("external_data"):
-        args.append("--external-data")
-    if not options.get("fp16_fixes", True):
-        args.append("--no-fp16-fixes")
-    if options.get("last_token_logits"):
-        args.append("--last-token-logits")
-    if "cache_len" in options:
-        args.append(f"--cache-len {options['cache_len']}")
-    if options.get("sha"):
-        args.append("--sha")
-    if "mask_value" in options:
-        args.append(f"--mask-value={options['mask_value']}")
-    return " ".join(args)
-
-
 def export_mem_mb(model):
     from npuforge.matrix import estimate_params
 
@@ -207,11 +181,11 @@ def heldout_path(model):
 
 
 def heldout_inputs(wildcards):
-    # Only a model that ships its own tokenizer needs the checkpoint to tokenize the text.
-    inputs = {"text": "data/calibration/heldout.txt"}
-    if MODELS[wildcards.model]["tokenizer"] == "hf":
-        inputs["checkpoint"] = checkpoint_path(wildcards.model)
-    return inputs
+    # The family's tokenizer reads the checkpoint where the model ships its own.
+    return {
+        "text": "data/calibration/heldout.txt",
+        "checkpoint": checkpoint_path(wildcards.model),
+    }
 
 
 def compile_inputs(wildcards):

@@ -12,6 +12,6 @@ rule export:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
-        options=lambda w: export_cli_args(w.model, w.key),
+        options=lambda w: as_json(PLAN.export_options(w.model, w.key)),
     shell:
-        "python workflow_scripts/export_onnx.py --checkpoint {input.checkpoint} {params.options} --out-dir {output} > {log} 2>&1"
+        "python workflow_scripts/export_onnx.py --checkpoint {input.checkpoint} --options {params.options:q} --out-dir {output} > {log} 2>&1"

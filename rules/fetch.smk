@@ -14,8 +14,9 @@ rule fetch:
     params:
         source=lambda w: as_json(MODELS[w.model]["source"]),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
+        family=lambda w: MODELS[w.model]["family"],
     shell:
-        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+        "python workflow_scripts/fetch_model.py --source {params.source:q} --family {params.family} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
 
 # A Hugging Face model directory (config.json + safetensors shards + tokenizer files).
@@ -33,8 +34,9 @@ rule fetch_tree:
     params:
         source=lambda w: as_json(MODELS[w.model]["source"]),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
+        family=lambda w: MODELS[w.model]["family"],
     shell:
-        "python workflow_scripts/fetch_model.py --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+        "python workflow_scripts/fetch_model.py --source {params.source:q} --family {params.family} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
 
 # A GGUF checkpoint, dequantized to a Hugging Face model directory that every later
@@ -70,5 +72,6 @@ rule inspect:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
         arch=lambda w: as_json(MODELS[w.model]["arch"]),
+        family=lambda w: MODELS[w.model]["family"],
     shell:
-        "python workflow_scripts/inspect_checkpoint.py --checkpoint {input.checkpoint} --model {wildcards.model} --arch {params.arch:q} --out {output} > {log} 2>&1"
+        "python workflow_scripts/inspect_checkpoint.py --checkpoint {input.checkpoint} --family {params.family} --model {wildcards.model} --arch {params.arch:q} --out {output} > {log} 2>&1"

@@ -45,10 +45,7 @@ rule heldout:
     resources:
         mem_mb=1000,
     params:
-        tokenizer=lambda w: MODELS[w.model]["tokenizer"],
+        family=lambda w: MODELS[w.model]["family"],
         vocab=lambda w: MODELS[w.model]["arch"]["vocab"],
-        checkpoint=lambda w, input: (
-            f"--checkpoint {input.checkpoint}" if "checkpoint" in input.keys() else ""
-        ),
     shell:
-        "python workflow_scripts/tokenize_heldout.py --tokenizer {params.tokenizer} --vocab {params.vocab} {params.checkpoint} --out {output} > {log} 2>&1"
+        "python workflow_scripts/tokenize_heldout.py --family {params.family} --vocab {params.vocab} --checkpoint {input.checkpoint} --out {output} > {log} 2>&1"

@@ -153,7 +153,7 @@ class OrtChain:
         ]
         self.embedding = None
         if self.meta["embedding"]:
-            from npuforge.export import read_embedding_bin
+            from npuforge.onnx_io import read_embedding_bin
 
             self.embedding = read_embedding_bin(export_dir / self.meta["embedding"]["file"])
 

@@ -15,17 +15,16 @@ CLI = REPO / "workflow_scripts" / "make_calibration_samples.py"
 
 def small_export(out_dir: Path, chunks: int = 2) -> Path:
     """A 2-layer RWKV-7 (embed 64, head 32, vocab 1024) decode export with ext embedding."""
-    from npuforge.export import export_checkpoint
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge import models
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
 
     ckpt = out_dir / "tiny.pth"
     write_synthetic_checkpoint(
         ckpt, version=7, layers=2, embed=64, vocab=1024, head_size=32, seed=0
     )
     export = out_dir / "export"
-    export_checkpoint(
-        ckpt, export, variant="decode", chunks=chunks, dtype="fp32", ext_embedding=True
-    )
+    options = {"variant": "decode", "chunks": chunks, "dtype": "fp32", "ext_embedding": True}
+    models.export("rwkv", ckpt, export, options)
     return export
 
 
@@ -157,12 +156,16 @@ def test_cli_writes_with_custom_text(export_dir, tmp_path, capsys):
 def test_llama_texts_use_the_checkpoint_tokenizer_or_labelled_bytes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from npuforge.calibration import make_calibration_samples, tokenizer_for
-    from npuforge.models import llama
+    from npuforge import models as families
+    from npuforge.calibration import make_calibration_samples
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
 
     dims = dict(layers=1, embed=32, heads=4, kv_heads=2, vocab=300, intermediate=48, seed=1)
-    llama.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
-    llama.export_llama(tmp_path / "ckpt", tmp_path / "export", variant="decode", cache_len=16)
+    llama_weights.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
+    llama_export.export_llama(
+        tmp_path / "ckpt", tmp_path / "export", variant="decode", cache_len=16
+    )
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. the end.\n")
 
@@ -179,7 +182,7 @@ def test_llama_texts_use_the_checkpoint_tokenizer_or_labelled_bytes(tmp_path):
     hf = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf.save(str(tmp_path / "ckpt" / "tokenizer.json"))
-    tokenizer, info = tokenizer_for({"family": "llama"}, tmp_path / "ckpt")
+    tokenizer, info = families.family("llama").tokenizer(tmp_path / "ckpt")
     assert info["kind"] == "hf" and info["file"] == "tokenizer.json"
     assert tokenizer.encode("the cat sat on the mat.") == [1, 2, 3, 4, 1, 5]
     record = make_calibration_samples(
@@ -196,29 +199,29 @@ def test_llama_texts_use_the_checkpoint_tokenizer_or_labelled_bytes(tmp_path):
 @pytest.fixture(scope="module")
 def rwkv_prefill(tmp_path_factory):
     """The same tiny RWKV-7 as ``small_export``, exported as a 4-token prefill graph."""
-    from npuforge.export import export_checkpoint
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge import models
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("prefill")
     ckpt = root / "tiny.pth"
     write_synthetic_checkpoint(
         ckpt, version=7, layers=2, embed=64, vocab=1024, head_size=32, seed=0
     )
-    export_checkpoint(
-        ckpt, root / "export", variant="prefill", tokens=4, chunks=2, dtype="fp32",
-        ext_embedding=True,
-    )  # fmt: skip
+    options = {"variant": "prefill", "tokens": 4, "chunks": 2, "dtype": "fp32",
+               "ext_embedding": True}  # fmt: skip
+    models.export("rwkv", ckpt, root / "export", options)
     return root / "export"
 
 
 def replay(export_dir, record, run):
     """A real run of the sample's text up to its captured call: (chain, the call's token ids)."""
-    from npuforge.calibration import read_documents, tokenize_documents, tokenizer_for
+    from npuforge import models
     from npuforge.runtime import GraphChain
+    from npuforge.texts import read_documents, tokenize_documents
 
     chain = GraphChain(export_dir)
     docs = read_documents()
-    tokenizer, _ = tokenizer_for(chain.meta)
+    tokenizer, _ = models.family(chain.meta["family"]).tokenizer(None)
     tokens = tokenize_documents(docs, chain.meta["vocab_size"], tokenizer)
     ids = tokens[[name for name, _ in docs].index(run["document"])][run["start"] :]
     per_call = record["tokens_per_call"]
@@ -232,7 +235,7 @@ def replay(export_dir, record, run):
 
 def test_rwkv_prefill_samples_carry_the_states_of_multi_call_runs(rwkv_prefill, tmp_path):
     from npuforge.calibration import make_calibration_samples
-    from npuforge.export import read_embedding_bin
+    from npuforge.onnx_io import read_embedding_bin
 
     record = make_calibration_samples(rwkv_prefill, tmp_path / "a", samples=3, steps=8, seed=5)
     make_calibration_samples(rwkv_prefill, tmp_path / "b", samples=3, steps=8, seed=5)
@@ -267,12 +270,13 @@ def test_rwkv_prefill_samples_carry_the_states_of_multi_call_runs(rwkv_prefill, 
 
 @pytest.fixture(scope="module")
 def llama_prefill(tmp_path_factory):
-    from npuforge.models import llama
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
 
     root = tmp_path_factory.mktemp("llama")
     dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=300, intermediate=48, seed=1)
-    llama.write_synthetic_checkpoint(root / "ckpt", **dims)
-    llama.export_llama(
+    llama_weights.write_synthetic_checkpoint(root / "ckpt", **dims)
+    llama_export.export_llama(
         root / "ckpt", root / "export", variant="prefill", tokens=4, cache_len=16, chunks=2
     )
     return root / "export"
@@ -280,7 +284,7 @@ def llama_prefill(tmp_path_factory):
 
 def test_llama_prefill_samples_stay_in_the_cache_at_real_positions(llama_prefill, tmp_path):
     from npuforge.calibration import make_calibration_samples
-    from npuforge.models import llama
+    from npuforge.models.llama import onnx_export as llama_export
 
     record = make_calibration_samples(llama_prefill, tmp_path / "a", samples=6, steps=4, seed=0)
     make_calibration_samples(llama_prefill, tmp_path / "b", samples=6, steps=4, seed=0)
@@ -305,7 +309,7 @@ def test_llama_prefill_samples_stay_in_the_cache_at_real_positions(llama_prefill
                 elif spec["role"] == "tokens":
                     np.testing.assert_array_equal(value, call_ids[None])
                 elif spec["role"] != "hidden":
-                    expected = llama.extra_inputs(meta, spec, run["position"])
+                    expected = llama_export.extra_inputs(meta, spec, run["position"])
                     np.testing.assert_array_equal(value, expected)
 
 

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from npuforge.checkpoint import inspect_checkpoint, load_checkpoint
 from npuforge.cli import run_cli
 from npuforge.errors import NpuforgeError
-from npuforge.synthetic import make_config, synthetic_state_dict, write_synthetic_checkpoint
+from npuforge.models.rwkv.checkpoint import inspect as inspect_checkpoint
+from npuforge.models.rwkv.checkpoint import load as load_checkpoint
+from npuforge.models.rwkv.synthetic import (
+    make_config,
+    synthetic_state_dict,
+    write_synthetic_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"layers": 2, "embed": 128, "vocab": 500, "head_size": 32}
@@ -146,12 +151,15 @@ def test_bad_inputs_give_one_line_errors_and_no_output(tmp_path, small, capsys):
     for label, path in bad_checkpoints(tmp_path, small).items():
         assert zipfile.is_zipfile(path) or label.startswith("truncated") or path.suffix != ".pth"
         out = tmp_path / f"{path.stem}.json"
-        assert run_cli(inspect_cli.main, ["--checkpoint", str(path), "--out", str(out)]) == 2, label
+        args = ["--checkpoint", str(path), "--family", "rwkv", "--out", str(out)]
+        assert run_cli(inspect_cli.main, args) == 2, label
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err, (label, err)
         assert not out.exists(), label
         out_dir = tmp_path / f"{path.stem}-export"
-        code = run_cli(export_cli.main, ["--checkpoint", str(path), "--out-dir", str(out_dir)])
+        options = '{"family": "rwkv", "variant": "decode"}'
+        args = ["--checkpoint", str(path), "--options", options, "--out-dir", str(out_dir)]
+        code = run_cli(export_cli.main, args)
         assert code == 2 and not out_dir.exists(), label
         capsys.readouterr()
     with pytest.raises(NpuforgeError, match="carries code"):
@@ -170,7 +178,7 @@ def test_cli_exit_code_and_info_json(tmp_path, small):
     assert (
         run_cli(
             load_script("inspect_checkpoint").main,
-            ["--checkpoint", str(small[6]), "--out", str(out)],
+            ["--checkpoint", str(small[6]), "--family", "rwkv", "--out", str(out)],
         )
         == 0
     )
@@ -184,6 +192,8 @@ def test_cli_exit_code_and_info_json(tmp_path, small):
             str(script),
             "--checkpoint",
             str(missing),
+            "--family",
+            "rwkv",
             "--out",
             str(tmp_path / "x.json"),
         ],

@@ -296,10 +296,11 @@ def test_synthetic_llama_source_writes_a_model_directory(tmp_path):
     out, record = tmp_path / "a" / "checkpoint.hf", tmp_path / "a" / "checkpoint.hf.json"
     from npuforge.fetch import fetch
 
-    data = fetch(source, None, out, record)
+    data = fetch(source, None, out, record, family="llama")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
-    again = fetch(source, data["sha256"], tmp_path / "b" / "checkpoint.hf", tmp_path / "b.json")
+    b = tmp_path / "b" / "checkpoint.hf"
+    again = fetch(source, data["sha256"], b, tmp_path / "b.json", family="llama")
     assert again["sha256"] == data["sha256"]
 
 

@@ -81,14 +81,14 @@ def test_dequantized_smollm2_equals_transformers_on_the_gguf(smollm2_gguf, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from npuforge.checkpoint import inspect_checkpoint
-    from npuforge.models.llama import reference_logits
+    from npuforge.models.llama.weights import reference_logits
 
     result, out, record = dequantize_cli(tmp_path, smollm2_gguf)
     assert result.returncode == 0, result.stderr
     meta = json.loads(record.read_text())
     assert meta["file_type"] == "Q4_1" and meta["source"]["sha256"] == SMOLLM2_SHA
     assert json.loads((out / "gguf.json").read_text()) == meta
-    info = inspect_checkpoint(out)
+    info = inspect_checkpoint(out, "llama")
     assert (info["n_layers"], info["vocab_size"]) == (30, 49152)
 
     where = {"pretrained_model_name_or_path": str(smollm2_gguf.parent)}

@@ -16,7 +16,10 @@ from llama_fixtures import (
 )
 
 from npuforge.errors import NpuforgeError
-from npuforge.models import llama
+from npuforge.models.llama import config as llama_config
+from npuforge.models.llama import onnx_export as llama_export
+from npuforge.models.llama import model as llama_model
+from npuforge.models.llama import weights as llama_weights
 
 CACHE_LEN = 64
 
@@ -36,10 +39,10 @@ def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, c
     vocab = TINY_CONFIGS[kind]["vocab_size"]
     ids = np.random.default_rng(7).integers(0, vocab, (batch, PREFILL + DECODE_STEPS))
     common = dict(dtype="fp32", chunks=chunks, batch=batch, cache_len=CACHE_LEN)
-    prefill = llama.export_llama(
+    prefill = llama_export.export_llama(
         checkpoint, tmp_path / "prefill", variant="prefill", tokens=PREFILL, **common
     )
-    llama.export_llama(checkpoint, tmp_path / "decode", variant="decode", tokens=1, **common)
+    llama_export.export_llama(checkpoint, tmp_path / "decode", variant="decode", tokens=1, **common)
     assert prefill["chunks"] == chunks and len(prefill["graphs"]) == chunks
 
     got = run_prefill_then_decode(tmp_path / "prefill", tmp_path / "decode", ids)
@@ -53,11 +56,11 @@ def test_ext_embedding_and_fp16_exports(checkpoints, tmp_path):
     checkpoint = checkpoints["llama"]
     ids = np.random.default_rng(11).integers(0, TINY_CONFIGS["llama"]["vocab_size"], (1, 24))
     common = {"variant": "decode", "cache_len": 24, "chunks": 2}
-    plain = llama.export_llama(checkpoint, tmp_path / "plain", dtype="fp32", **common)
-    ext = llama.export_llama(
+    plain = llama_export.export_llama(checkpoint, tmp_path / "plain", dtype="fp32", **common)
+    ext = llama_export.export_llama(
         checkpoint, tmp_path / "ext", dtype="fp32", ext_embedding=True, **common
     )
-    half = llama.export_llama(checkpoint, tmp_path / "half", dtype="fp16", **common)
+    half = llama_export.export_llama(checkpoint, tmp_path / "half", dtype="fp16", **common)
     assert plain["tokens_per_call"] == 1 and plain["embedding"] is None
     assert ext["embedding"]["rows"] == TINY_CONFIGS["llama"]["vocab_size"]
     assert ext["graphs"][0]["inputs"][0]["role"] == "embedding"
@@ -78,16 +81,18 @@ def test_llama3_rope_scaling_matches_transformers(checkpoints):
     import torch
 
     checkpoint = checkpoints["llama3"]
-    cfg = llama.load_config(checkpoint)
+    cfg = llama_config.load_config(checkpoint)
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.tie_word_embeddings
     # The scaled frequencies must differ from plain RoPE, or this test proves nothing.
-    plain = llama.rope_inv_freq(llama.LlamaConfig(**{**cfg.__dict__, "rope_scaling": None}))
-    assert not np.allclose(plain, llama.rope_inv_freq(cfg))
+    plain = llama_config.rope_inv_freq(
+        llama_config.LlamaConfig(**{**cfg.__dict__, "rope_scaling": None})
+    )
+    assert not np.allclose(plain, llama_config.rope_inv_freq(cfg))
 
-    model = llama.build_model(cfg, llama.load_state_dict(checkpoint), cache_len=40)
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoint), cache_len=40)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 40))
     caches = [torch.zeros(1, cfg.num_kv_heads, 40, cfg.head_dim) for _ in range(2)]
-    host = llama.host_inputs(cfg, batch=1, tokens=40, cache_len=40, position=0)
+    host = llama_export.host_inputs(cfg, batch=1, tokens=40, cache_len=40, position=0)
     with torch.no_grad():
         got, _ = model(
             torch.from_numpy(ids),
@@ -103,7 +108,7 @@ def test_llama3_rope_scaling_matches_transformers(checkpoints):
 def test_export_json_describes_graph_io(checkpoints, tmp_path):
     import onnx
 
-    meta = llama.export_llama(
+    meta = llama_export.export_llama(
         checkpoints["qwen2"], tmp_path / "out", variant="decode", tokens=1, chunks=2, cache_len=32
     )
     assert json.loads((tmp_path / "out" / "export.json").read_text()) == meta
@@ -132,11 +137,11 @@ def test_export_json_describes_graph_io(checkpoints, tmp_path):
 
 
 def test_extra_inputs_mask_rope_and_cache_write(checkpoints):
-    cfg = llama.load_config(checkpoints["llama"])  # head_dim 16
+    cfg = llama_config.load_config(checkpoints["llama"])  # head_dim 16
     meta = {"batch": 2, "tokens_per_call": 3, "cache_len": 6, "config": dataclasses.asdict(cfg)}
 
     def value(role, dtype="float32"):
-        return llama.extra_inputs(meta, {"name": role, "dtype": dtype, "role": role}, 2)
+        return llama_export.extra_inputs(meta, {"name": role, "dtype": dtype, "role": role}, 2)
 
     mask = value("mask")
     assert mask.shape == (2, 1, 3, 6) and mask.dtype == np.float32
@@ -158,13 +163,13 @@ def test_extra_inputs_mask_rope_and_cache_write(checkpoints):
     assert cos[0, 0, 1, 9] == cos[0, 0, 1, 1]  # halves duplicated, HF layout
     assert float(sin[0, 0, 1, 1]) == pytest.approx(np.sin(angle), abs=1e-3)
     with pytest.raises(NpuforgeError, match="exceeds the exported cache"):
-        llama.extra_inputs(meta, {"name": "attention_mask", "role": "mask"}, 4)
+        llama_export.extra_inputs(meta, {"name": "attention_mask", "role": "mask"}, 4)
     with pytest.raises(NpuforgeError, match="no input role 'position'"):
-        llama.extra_inputs(meta, {"name": "position_ids", "role": "position"}, 0)
+        llama_export.extra_inputs(meta, {"name": "position_ids", "role": "position"}, 0)
 
 
 def test_inspect_llama(checkpoints):
-    info = llama.inspect_llama(checkpoints["smollm2"])
+    info = llama_weights.inspect_llama(checkpoints["smollm2"])
     c = TINY_CONFIGS["smollm2"]
     assert info["tied"] is True and info["kv_heads"] == 1 and info["head_dim"] == 8
     assert (info["dtype"], info["vocab_size"], info["n_heads"]) == ("fp32", c["vocab_size"], 4)
@@ -172,7 +177,7 @@ def test_inspect_llama(checkpoints):
     attention = e * e * 2 + 2 * e * 8  # q, o and one kv head of k, v
     expected = v * e + n * (attention + 3 * e * f + 2 * e) + e
     assert info["n_params"] == expected
-    assert llama.inspect_llama(checkpoints["llama"])["tied"] is False
+    assert llama_weights.inspect_llama(checkpoints["llama"])["tied"] is False
 
 
 def test_rejects_unsupported_config(checkpoints, tmp_path):
@@ -181,13 +186,13 @@ def test_rejects_unsupported_config(checkpoints, tmp_path):
     config = json.loads((checkpoints["llama"] / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(NpuforgeError, match="model_type 'gpt2'"):
-        llama.load_config(folder)
+        llama_config.load_config(folder)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NpuforgeError, match="no \\*.safetensors"):
-        llama.export_llama(folder, tmp_path / "out", variant="decode", tokens=1, cache_len=8)
+        llama_export.export_llama(folder, tmp_path / "out", variant="decode", tokens=1, cache_len=8)
     assert not (tmp_path / "out").exists()
     with pytest.raises(NpuforgeError, match="decode variant takes 1 token"):
-        llama.export_llama(folder, tmp_path / "out", variant="decode", tokens=4)
+        llama_export.export_llama(folder, tmp_path / "out", variant="decode", tokens=4)
 
 
 def test_synthetic_checkpoint_runs_through_graph_chain(tmp_path):
@@ -195,17 +200,19 @@ def test_synthetic_checkpoint_runs_through_graph_chain(tmp_path):
     from npuforge.runtime import GraphChain
 
     dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=50, intermediate=48, arch="qwen2")
-    info = llama.write_synthetic_checkpoint(tmp_path / "a", seed=3, **dims)
-    llama.write_synthetic_checkpoint(tmp_path / "b", seed=3, **dims)
+    info = llama_weights.write_synthetic_checkpoint(tmp_path / "a", seed=3, **dims)
+    llama_weights.write_synthetic_checkpoint(tmp_path / "b", seed=3, **dims)
     for name in ("config.json", "model.safetensors"):
         assert sha256_file(tmp_path / "a" / name) == sha256_file(tmp_path / "b" / name)
     assert (info["arch"], info["kv_heads"], info["tied"]) == ("qwen2", 2, False)
 
     # Four consecutive AR-8 prefill calls: positions and cache writes advance per call.
-    llama.export_llama(tmp_path / "a", tmp_path / "x", variant="prefill", tokens=8, cache_len=32)
+    llama_export.export_llama(
+        tmp_path / "a", tmp_path / "x", variant="prefill", tokens=8, cache_len=32
+    )
     ids = np.random.default_rng(0).integers(0, 50, (1, 32))
     got = GraphChain(tmp_path / "x").run(ids)
-    want = llama.reference_logits(tmp_path / "a", ids)
+    want = llama_weights.reference_logits(tmp_path / "a", ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
@@ -213,11 +220,11 @@ def test_export_is_deterministic_and_external_data_loads(checkpoints, tmp_path):
     from npuforge.runtime import GraphChain
 
     options = {"variant": "decode", "cache_len": 16, "chunks": 2, "sha": True}
-    first = llama.export_llama(checkpoints["qwen2"], tmp_path / "a", **options)
-    again = llama.export_llama(checkpoints["qwen2"], tmp_path / "b", **options)
+    first = llama_export.export_llama(checkpoints["qwen2"], tmp_path / "a", **options)
+    again = llama_export.export_llama(checkpoints["qwen2"], tmp_path / "b", **options)
     assert [g["sha256"] for g in first["graphs"]] == [g["sha256"] for g in again["graphs"]]
 
-    external = llama.export_llama(
+    external = llama_export.export_llama(
         checkpoints["qwen2"], tmp_path / "c", external_data=True, **options
     )
     for graph in external["graphs"]:
@@ -260,7 +267,7 @@ def test_config_layouts_old_and_new(tmp_path):
     for name, extra in layouts.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**base, **extra}))
-        cfg = llama.load_config(tmp_path / name)
+        cfg = llama_config.load_config(tmp_path / name)
         assert (cfg.rope_theta, cfg.rope_scaling["factor"]) == (5e5, 8.0)
         assert (cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias) == (2, 4, False)
 
@@ -268,4 +275,4 @@ def test_config_layouts_old_and_new(tmp_path):
     linear = {**base, "rope_scaling": {"type": "linear", "factor": 2.0}}
     (tmp_path / "linear" / "config.json").write_text(json.dumps(linear))
     with pytest.raises(NpuforgeError, match="RoPE type 'linear'"):
-        llama.load_config(tmp_path / "linear")
+        llama_config.load_config(tmp_path / "linear")

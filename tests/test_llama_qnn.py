@@ -13,7 +13,8 @@ from test_qnn import SM8650, compile_qnn, qnn_stamp  # noqa: F401  (the toolchai
 
 from npuforge.backends import base
 from npuforge.errors import NpuforgeError
-from npuforge.models import llama
+from npuforge.models.llama import onnx_export as llama_export
+from npuforge.models.llama import weights as llama_weights
 
 # The registry's llama-tiny (Qwen2-style: QKV bias, GQA 4/2), in two chunks so the
 # second chunk's own mask/RoPE inputs and the hidden hand-over are exercised too.
@@ -25,10 +26,10 @@ CACHE_LEN = 40  # 32 verification steps fit
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_qnn")
     checkpoint = root / "checkpoint"
-    llama.write_synthetic_checkpoint(checkpoint, arch="qwen2", seed=0, **TINY)
+    llama_weights.write_synthetic_checkpoint(checkpoint, arch="qwen2", seed=0, **TINY)
     common = {"chunks": 2, "cache_len": CACHE_LEN, "sha": True, "ext_embedding": True}
-    llama.export_llama(checkpoint, root / "decode", variant="decode", **common)
-    llama.export_llama(checkpoint, root / "prefill", variant="prefill", tokens=8, **common)
+    llama_export.export_llama(checkpoint, root / "decode", variant="decode", **common)
+    llama_export.export_llama(checkpoint, root / "prefill", variant="prefill", tokens=8, **common)
     return root
 
 
@@ -53,7 +54,7 @@ def test_sha_llama_fp16_verifies_on_the_htp_simulator(exports, qnn_stamp):  # no
         graph = onnx.load(out / f"chunk{chunk}_ctx.onnx", load_external_data=False).graph
         assert [node.op_type for node in graph.node] == ["EPContext"]
         names = {value.name for value in graph.input}
-        assert set(llama.HOST_ROLES.values()) <= names
+        assert set(llama_export.HOST_ROLES.values()) <= names
         assert {f"cache_{chunk}_k", f"cache_{chunk}_v"} <= names  # one layer per chunk
 
 
@@ -74,7 +75,7 @@ def _corrupting(role, original):
     def wrong(meta, spec, position):
         if role == "mask":
             return np.zeros(spec["shape"], dtype=spec["dtype"])  # every slot visible
-        return llama.extra_inputs(meta, spec, position + 1)  # off by one position
+        return llama_export.extra_inputs(meta, spec, position + 1)  # off by one position
 
     def write(exports, schedule, tokens, work_dir):
         calls = original(exports, schedule, tokens, work_dir)
@@ -130,4 +131,4 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
             for j, position in enumerate(captured):
                 raw = tmp_path / "cal" / "qnn" / f"chunk{index}" / f"sample{j}_{k}.raw"
                 got = np.fromfile(raw, dtype=item["dtype"]).reshape(item["shape"])
-                np.testing.assert_array_equal(got, llama.extra_inputs(meta, item, position))
+                np.testing.assert_array_equal(got, llama_export.extra_inputs(meta, item, position))

@@ -225,15 +225,14 @@ def test_model_precisions_narrow_a_target():
 
 
 def test_llama_export_options_carry_cache_and_sha():
-    from npuforge.matrix import LLAMA_MASK_VALUE
     from npuforge.models import llama
 
-    assert LLAMA_MASK_VALUE == llama.MASK_VALUE
     model = MODELS["llama-tiny"]
     (qnn,) = export_variants(model, TARGETS["SM8650"])
     (rknn,) = export_variants(model, TARGETS["RK3588"])
     assert qnn["sha"] is True and rknn["sha"] is False
     assert qnn["cache_len"] == rknn["cache_len"] == model["context_length"]
+    assert qnn["mask_value"] == llama.MASK_VALUE
     assert "fp16_fixes" not in qnn and "last_token_logits" not in qnn
     assert export_key(qnn) != export_key(rknn)  # SHA changes the bytes: its own export
     # RWKV exports keep their option set: the sha choice of a target does not split them

@@ -17,7 +17,7 @@ from llama_fixtures import (
 )
 
 from npuforge.errors import NpuforgeError
-from npuforge.models import llama
+from npuforge.models.llama import onnx_export as llama_export
 from npuforge.passes import mha_to_sha
 
 CACHE_LEN = 64
@@ -34,13 +34,13 @@ def exports(tmp_path_factory):
     qwen3 = make_checkpoint("qwen3", root / "qwen3", seed=3)
     common = {"dtype": "fp32", "cache_len": CACHE_LEN}
     metas = {
-        "qwen2-prefill": llama.export_llama(
+        "qwen2-prefill": llama_export.export_llama(
             qwen, root / "qp", variant="prefill", tokens=PREFILL, chunks=2, **common
         ),
-        "smollm2-decode": llama.export_llama(
+        "smollm2-decode": llama_export.export_llama(
             smol, root / "sd", variant="decode", tokens=1, batch=2, **common
         ),
-        "qwen3-prefill": llama.export_llama(
+        "qwen3-prefill": llama_export.export_llama(
             qwen3, root / "q3", variant="prefill", tokens=4, **common
         ),
     }
@@ -66,7 +66,7 @@ def random_feeds(meta, graph, seed=0):
         elif spec["role"] in ("hidden", "state"):
             feeds[spec["name"]] = rng.standard_normal(spec["shape"]).astype(np.float32)
         else:
-            feeds[spec["name"]] = llama.extra_inputs(meta, spec, position)
+            feeds[spec["name"]] = llama_export.extra_inputs(meta, spec, position)
     return feeds
 
 
@@ -203,10 +203,10 @@ def test_checks_catch_a_mis_sliced_head(exports, monkeypatch, target, broken, sy
 def test_export_with_sha_matches_transformers(exports, tmp_path, kind):
     checkpoint = exports["checkpoints"][kind]
     common = {"dtype": "fp32", "cache_len": CACHE_LEN, "sha": True}
-    meta = llama.export_llama(
+    meta = llama_export.export_llama(
         checkpoint, tmp_path / "p", variant="prefill", tokens=PREFILL, **common
     )
-    llama.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
+    llama_export.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
     assert meta["options"]["sha"] is True
     ids = np.random.default_rng(5).integers(0, TINY_CONFIGS[kind]["vocab_size"], (1, 64))
     assert ids.shape[1] == PREFILL + DECODE_STEPS

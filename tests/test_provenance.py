@@ -24,11 +24,11 @@ def sha(path):
 
 def synthetic(tmp_path, name, fmt="pth", **spec):
     """A real checkpoint from the project's generator (file, or llama model directory)."""
-    from npuforge.synthetic import write_synthetic_source
+    from npuforge import models
 
     out = tmp_path / "inputs" / name
     out.parent.mkdir(exist_ok=True)
-    write_synthetic_source(out, spec, fmt)
+    models.family("llama" if fmt == "hf" else "rwkv").write_synthetic(out, spec, fmt)
     return out
 
 

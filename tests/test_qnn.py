@@ -395,17 +395,16 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
 def wide_head_export(tmp_path_factory):
     """A 1-layer RWKV-7 with a 128 x 65536 head: big fp16 constants, whose HVX padding
     QAIRT leaves uninitialised (the toy fixture's graphs are too small to show it)."""
-    from npuforge.export import export_checkpoint
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge import models
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("wide")
     write_synthetic_checkpoint(
         root / "c.pth", version=7, layers=1, embed=128, vocab=65536, head_size=64, seed=0
     )
     export = root / "export"
-    export_checkpoint(
-        root / "c.pth", export, variant="decode", chunks=1, dtype="fp32", ext_embedding=True
-    )
+    options = {"variant": "decode", "chunks": 1, "dtype": "fp32", "ext_embedding": True}
+    models.export("rwkv", root / "c.pth", export, options)
     return export
 
 

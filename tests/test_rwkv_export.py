@@ -1,22 +1,23 @@
 """RWKV ONNX export: graph contract, chunking, prefill, batch, fp16 fixes, determinism.
 
 Synthetic 4-layer x 256 checkpoints with the World vocabulary size (65536), shared
-with tests/test_verify.py through npuforge.synthetic.cached_synthetic_checkpoint.
+with tests/test_verify.py through npuforge.models.rwkv.synthetic.cached_synthetic_checkpoint.
 """
 
 import hashlib
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+from npuforge import models
 from npuforge.errors import NpuforgeError
-from npuforge.export import ALLOWED_OPS, export_checkpoint, export_rwkv, read_embedding_bin
+from npuforge.models.rwkv.onnx_export import export_rwkv
+from npuforge.models.rwkv.synthetic import cached_synthetic_checkpoint
+from npuforge.onnx_io import ALLOWED_OPS, read_embedding_bin
 from npuforge.runtime import Fp16EmulationSession, GraphChain
-from npuforge.synthetic import cached_synthetic_checkpoint
 from npuforge.verify import prefill_then_decode, seeded_tokens
 
 
@@ -164,7 +165,7 @@ def test_export_is_byte_deterministic_and_external_data_works(tmp_path, v7, expo
 def test_embedding_bin_layout(exports, v7):
     import torch
 
-    from npuforge.checkpoint import load_checkpoint
+    from npuforge.models.rwkv.checkpoint import load as load_checkpoint
 
     path = exports("c4e", chunks=4, ext_embedding=True) / "embedding.bin"
     raw = path.read_bytes()
@@ -207,16 +208,11 @@ def test_fp16_fixes_prevent_overflow_on_stress_checkpoint(tmp_path, synth, versi
     )
 
 
-def test_llama_directory_dispatch(tmp_path, monkeypatch):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "npuforge.models.llama", None)  # import fails
-    # ...also when an earlier test imported it (the package then holds it as an attribute)
-    import npuforge.models
-
-    monkeypatch.delattr(npuforge.models, "llama", raising=False)
-    with pytest.raises(NpuforgeError, match="npuforge.models.llama"):
-        export_checkpoint(tmp_path / "hf", tmp_path / "out", variant="decode", chunks=1)
+def test_the_family_comes_from_the_registry_and_foreign_options_are_refused(tmp_path, v7):
+    with pytest.raises(NpuforgeError, match="unknown model family 'gpt2'"):
+        models.export("gpt2", v7, tmp_path / "out", {"variant": "decode"})
+    with pytest.raises(NpuforgeError, match="'sha' does not apply to the rwkv family"):
+        models.export("rwkv", v7, tmp_path / "out", {"variant": "decode", "sha": True})
     assert not (tmp_path / "out").exists()
 
 
@@ -233,7 +229,7 @@ def test_bad_options_leave_no_output(tmp_path, v7):
 
 
 def test_external_data_chosen_past_the_protobuf_limit(tmp_path, v7, exports, monkeypatch):
-    import npuforge.export as export_module
+    import npuforge.models.rwkv.onnx_export as export_module
 
     # Pretend protobuf's limit is 96 MB: the 4 x 256 graphs (~140 MB fp32) cross it.
     monkeypatch.setattr(export_module, "PROTOBUF_LIMIT", 96 << 20)

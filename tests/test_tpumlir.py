@@ -77,16 +77,13 @@ def exports(tmp_path_factory):
         *("--version", 7, "--layers", 2, "--embed", 128, "--vocab", 1024),
         *("--head-size", 64, "--seed", 0, "--out", checkpoint),
     )
-    _run(
-        "export_onnx.py",
-        *("--checkpoint", checkpoint, "--out-dir", root / "decode"),
-        *("--variant", "decode", "--dtype", "fp32"),
-    )
-    _run(
-        "export_onnx.py",
-        *("--checkpoint", checkpoint, "--out-dir", root / "prefill"),
-        *("--variant", "prefill", "--tokens", PREFILL_TOKENS, "--dtype", "fp32"),
-    )
+    for variant, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
+        options = {"family": "rwkv", "variant": variant, "tokens": tokens, "dtype": "fp32"}
+        _run(
+            "export_onnx.py",
+            *("--checkpoint", checkpoint, "--out-dir", root / variant),
+            *("--options", json.dumps(options)),
+        )
     return root
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from npuforge.cli import run_cli
 from npuforge.errors import NpuforgeError
-from npuforge.export import export_rwkv
-from npuforge.synthetic import cached_synthetic_checkpoint
+from npuforge.models.rwkv.onnx_export import export_rwkv
+from npuforge.models.rwkv.synthetic import cached_synthetic_checkpoint
 from npuforge.verify import verify_export
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,12 +94,13 @@ def test_bad_arguments(tmp_path, synth):
 def test_llama_prefill_then_decode_continues_positions(tmp_path):
     # The KV-cache graphs take position-indexed inputs (mask, RoPE rows, write slots):
     # decode must continue at the prefill's position, not restart at 0.
-    from npuforge.models import llama
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
 
     dims = dict(layers=2, embed=32, heads=4, kv_heads=2, vocab=64, intermediate=48, seed=5)
-    llama.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
+    llama_weights.write_synthetic_checkpoint(tmp_path / "ckpt", **dims)
     for variant, tokens in (("decode", 1), ("prefill", 4)):
-        llama.export_llama(
+        llama_export.export_llama(
             tmp_path / "ckpt", tmp_path / variant, variant=variant, tokens=tokens, cache_len=16
         )
     report = verify_export([tmp_path / "decode", tmp_path / "prefill"], tmp_path / "ckpt", steps=12)

@@ -303,8 +303,8 @@ def test_llama_plans_through_onnx_rknn_and_qnn_with_sha_for_qnn_only(workflow):
     assert counts["calibrate"] == 1 and "tokenizer" not in counts  # tokenizer: none
 
     exports = shell_commands(output, "export_onnx.py")
-    assert all("--cache-len 64" in c and "--mask-value=-64.0" in c for c in exports)
-    sha_exports = {export_dir_of(c) for c in exports if " --sha " in c}
+    assert all('"cache_len":64' in c and '"mask_value":-64.0' in c for c in exports)
+    sha_exports = {export_dir_of(c) for c in exports if '"sha":true' in c}
     assert len(sha_exports) == 1
     compiles = shell_commands(output, "compile.py")
     for command in compiles:

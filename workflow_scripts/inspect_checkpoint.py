@@ -5,14 +5,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from npuforge.cli import run_cli  # noqa: E402
+from npuforge.cli import run_cli
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--family", required=True, help="the model's family (registry)")
     parser.add_argument("--model", default="the model", help="model id, for messages")
     parser.add_argument("--arch", default="{}", help="the registry's arch mapping, JSON")
     parser.add_argument("--out", required=True, type=Path, help="info.json")
@@ -24,7 +23,7 @@ def main(argv=None):
     from npuforge.fileio import write_json
     from npuforge.provenance import check_arch
 
-    info = inspect_checkpoint(args.checkpoint)
+    info = inspect_checkpoint(args.checkpoint, args.family)
     check_arch(args.model, json.loads(args.arch), info)
     write_json(args.out, info)
 

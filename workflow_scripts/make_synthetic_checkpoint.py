@@ -4,9 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from npuforge.cli import run_cli  # noqa: E402
+from npuforge.cli import run_cli
 
 
 def main(argv=None):
@@ -25,7 +23,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
 
-    from npuforge.synthetic import write_synthetic_checkpoint
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
 
     write_synthetic_checkpoint(
         args.out,

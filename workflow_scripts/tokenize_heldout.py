@@ -9,12 +9,12 @@ from npuforge.heldout import write
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tokenizer", required=True, choices=("rwkv-world", "hf", "none"))
+    parser.add_argument("--family", required=True, help="the model's family (registry)")
     parser.add_argument("--vocab", required=True, type=int, help="the model's vocabulary size")
-    parser.add_argument("--checkpoint", help="model directory holding tokenizer.json (hf)")
+    parser.add_argument("--checkpoint", help="the checkpoint (its tokenizer, where it has one)")
     parser.add_argument("--out", required=True, help="token file to write (JSON)")
     args = parser.parse_args(argv)
-    write(args.tokenizer, args.vocab, args.out, args.checkpoint)
+    write(args.family, args.vocab, args.out, args.checkpoint)
 
 
 if __name__ == "__main__":

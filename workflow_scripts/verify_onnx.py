@@ -4,9 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from npuforge.cli import run_cli  # noqa: E402
+from npuforge.cli import run_cli
 
 
 def main(argv=None):

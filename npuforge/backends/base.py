@@ -287,7 +287,7 @@ def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
     and family inputs (a KV cache's mask, RoPE rows, write slots) as onnxruntime."""
     import numpy as np
 
-    from npuforge.export import read_embedding_bin
+    from npuforge.onnx_io import read_embedding_bin
     from npuforge.runtime import host_feeds
 
     tables = {}

@@ -51,7 +51,7 @@ def _input_ranges(export, graph: dict) -> dict:
     """Exact value ranges of inputs fed from a table: embedding rows span the table's range."""
     import numpy as np
 
-    from npuforge.export import read_embedding_bin
+    from npuforge.onnx_io import read_embedding_bin
 
     ranges = {}
     for item in graph["inputs"]:

@@ -1,25 +1,21 @@
-"""RWKV v5.2 / v6 / v7 as export-ready torch modules, in one readable file.
-
-What lives here:
+"""The RWKV v5.2 / v6 / v7 layout: checkpoint keys, graph I/O and export-ready weights.
 
 * ``RwkvConfig`` and ``config_from_shapes``: the official BlinkDL key names and
   shapes ("x052", "x060", "x070") and how version and dimensions are read off
-  them. ``expected_shapes(cfg)`` is the whole layout (synthetic checkpoints
-  are generated from it, loading validates against it).
-* ``RwkvChunk``: a torch module for layers ``[first, last)`` processing ``T``
-  tokens of ``B`` sequences per call, with every piece of recurrent state as an
-  explicit input and output (static shapes, standard ONNX ops). One decode step
-  is ``T = 1``; prefill is ``T > 1`` (the recurrence is unrolled over T).
-* ``prepared_tensors``: turns checkpoint tensors into the module's parameters
-  one at a time (transposed to ``x @ W`` form, ln0 folded into the embedding,
-  v5 decay pre-exponentiated, fp16 scales folded in), so an exporter can
-  stream them without holding the model twice.
+  them. ``expected_shapes(cfg)`` is the whole layout (synthetic checkpoints are
+  generated from it, loading validates against it).
+* ``GraphSpec`` and ``io_specs``: everything that fixes one chunk graph, and its
+  inputs and outputs (every piece of recurrent state explicit, static shapes).
+* ``prepared_tensor``/``prepared_blocks``: checkpoint tensors as the module's
+  parameters, one at a time (transposed to ``x @ W`` form, ln0 folded into the
+  embedding, v5 decay pre-exponentiated, fp16 scales folded in), so an exporter
+  can stream them without holding the model twice.
 
 Tensors are row vectors: activations are ``[B, T, C]``, matrices ``[in, out]``.
 The wkv state of every version is ``[B, H, N, N]`` indexed (head, key, value);
 the shift states are ``[B, C]`` and hold the last token's layer-normed input.
 
-fp16 fixes (seed 001), exact in real arithmetic, powers of two only:
+fp16 fixes, exact in real arithmetic, powers of two only:
 
 * wkv scale ``s = sk * sv``: key weights are divided by ``sk`` and value weights
   by ``sv``, so ``k v^T``, the wkv state and the wkv output are ``s`` times
@@ -32,12 +28,6 @@ fp16 fixes (seed 001), exact in real arithmetic, powers of two only:
   are scale invariant; their ``eps`` is divided by the square of the scale.
 * v7's ``k_k`` (it only feeds the L2-normalised ``kk``) is divided by ``s`` too,
   so the sum of squares inside the normalisation stays in range.
-
-``embedding.bin`` (written with ``--ext-embedding``; see ``npuforge.export``):
-little-endian header of 32 bytes — magic ``b"NPFEMB\\0\\0"`` (8 bytes), then
-uint32 format version (1), uint32 dtype code (1 = float32, 2 = float16),
-uint64 rows (vocab size), uint64 cols (embedding dim) — followed by the
-row-major ``rows x cols`` table (ln0 already applied) in that dtype.
 """
 
 import math
@@ -454,203 +444,6 @@ def prepared_tensor(ckpt, spec: GraphSpec, name: str):
     raise KeyError(name)
 
 
-# --------------------------------------------------------------------------------------------
-# The torch modules. Imported lazily: building them needs torch.
-
-
-def build_chunk(spec: GraphSpec, device="cpu"):
-    """An ``RwkvChunk`` with uninitialised parameters (``device="meta"``: no memory at all,
-    enough for tracing; ``load_weights`` fills a CPU one)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    cfg = spec.config
-    dtype = torch.float16 if spec.dtype == "fp16" else torch.float32
-    H, N, C = cfg.n_heads, cfg.head_size, cfg.embed_dim  # the papers' names
-
-    class Params(nn.Module):
-        """A flat bag of named parameters (dots in names become submodules)."""
-
-    def layer_norm(x, weight, bias, eps):
-        return F.layer_norm(x, (C,), weight=weight, bias=bias, eps=eps)
-
-    def group_norm(y, weight, bias, eps):
-        # y: [B, T, H, N]: a LayerNormalization over each head's N channels, then the
-        # per-channel affine (compilers fuse LayerNormalization and accumulate it wide).
-        return F.layer_norm(y, (N,), eps=eps) * weight + bias
-
-    B, T = spec.batch, spec.tokens  # static shapes, never read off tensors
-
-    def shifted(x, shift):
-        """The previous token's x for each position: [B, T, C]."""
-        if T == 1:
-            return shift.unsqueeze(1)
-        return torch.cat([shift.unsqueeze(1), x[:, :-1]], dim=1)
-
-    def heads_rows(x):  # [B, T, C] -> [B, H, T, N]
-        return x.reshape(B, T, H, N).transpose(1, 2)
-
-    def heads_cols(x):  # [B, T, C] -> [B, H, N, T]
-        return x.reshape(B, T, H, N).permute(0, 2, 3, 1)
-
-    class RwkvChunk(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.spec = spec
-            self.names = list(param_shapes(spec))
-            for name, shape in param_shapes(spec).items():
-                owner = self
-                *path, leaf = name.split(".")
-                for part in path:
-                    if not hasattr(owner, part):
-                        owner.add_module(part, Params())
-                    owner = getattr(owner, part)
-                placeholder = torch.empty(shape, dtype=dtype, device=device)
-                owner.register_parameter(leaf, nn.Parameter(placeholder, False))
-
-            self.gn_eps = GN_EPS / spec.wkv_scale**2
-            self.l2_eps = 1e-12 if spec.dtype == "fp32" else 1e-6
-
-        def p(self, name):
-            return self.get_parameter(name)
-
-        # ---- time mixing ------------------------------------------------------------
-        def tmix_v7(self, i, x, shift, state, v_first):
-            a_ = f"blocks.{i}.att."
-            p = lambda k: self.p(a_ + k)  # noqa: E731
-            xx = shifted(x, shift) - x
-            xr, xw, xk = x + xx * p("x_r"), x + xx * p("x_w"), x + xx * p("x_k")
-            xv, xa, xg = x + xx * p("x_v"), x + xx * p("x_a"), x + xx * p("x_g")
-            r = xr @ p("receptance")
-            w = torch.tanh(xw @ p("w1")) @ p("w2")
-            k = xk @ p("key")
-            v = xv @ p("value")
-            a = torch.sigmoid(p("a0") + (xa @ p("a1")) @ p("a2"))
-            g = torch.sigmoid(xg @ p("g1")) @ p("g2")
-            kk = (k * p("k_k")).reshape(B, T, H, N)
-            kk = kk / torch.sqrt(torch.clamp((kk * kk).sum(-1, keepdim=True), min=self.l2_eps))
-            kk = kk.reshape(B, T, C)
-            k = k * (1 + (a - 1) * p("k_a"))
-            if i == 0:
-                v_first = v
-            else:
-                v = v + (v_first - v) * torch.sigmoid(p("v0") + (xv @ p("v1")) @ p("v2"))
-            w = torch.exp(-0.606531 * torch.sigmoid(p("w0") + w))  # 0.606531 = exp(-0.5)
-
-            r_rows, k_cols, v_rows = heads_rows(r), heads_cols(k), heads_rows(v)
-            w_cols, kk_rows, kka_cols = heads_cols(w), heads_rows(-kk), heads_cols(kk * a)
-            ys = []
-            for t in range(T):
-                s = slice(None) if T == 1 else slice(t, t + 1)
-                state = (
-                    state * w_cols[..., s]
-                    + kka_cols[..., s] * (kk_rows[:, :, s] @ state)
-                    + k_cols[..., s] * v_rows[:, :, s]
-                )
-                ys.append(r_rows[:, :, s] @ state)
-            y = ys[0] if T == 1 else torch.cat(ys, dim=2)
-            y = y.transpose(1, 2)  # [B, T, H, N]
-            y = group_norm(y, p("ln_x.weight"), p("ln_x.bias"), self.gn_eps)
-            bonus = (r * k).reshape(B, T, H, N) * p("r_k")
-            y = y + bonus.sum(-1, keepdim=True) * v.reshape(B, T, H, N)
-            return (y.reshape(B, T, C) * g) @ p("output"), state, v_first
-
-        def tmix_v56(self, i, x, shift, state):
-            a_ = f"blocks.{i}.att."
-            p = lambda k: self.p(a_ + k)  # noqa: E731
-            prev = shifted(x, shift)
-            if cfg.version == 5:
-                d = x - prev
-                xk, xv = prev + d * p("mix_k"), prev + d * p("mix_v")
-                xr, xg = prev + d * p("mix_r"), prev + d * p("mix_g")
-            else:
-                sx = prev - x
-                xxx = x + sx * p("maa_x")
-                mix = {j: torch.tanh(xxx @ p(f"maa_{j}1")) @ p(f"maa_{j}2") for j in "wkvrg"}
-                xw = x + sx * (p("maa_w") + mix["w"])
-                xk = x + sx * (p("maa_k") + mix["k"])
-                xv = x + sx * (p("maa_v") + mix["v"])
-                xr = x + sx * (p("maa_r") + mix["r"])
-                xg = x + sx * (p("maa_g") + mix["g"])
-            r = xr @ p("receptance")
-            k = xk @ p("key")
-            v = xv @ p("value")
-            g = xg @ p("gate")
-            g = g * torch.sigmoid(g)
-            u = p("first")  # [H, N, 1]
-            r_rows, k_cols, v_rows = heads_rows(r), heads_cols(k), heads_rows(v)
-            if cfg.version == 6:
-                w = p("decay") + torch.tanh(xw @ p("decay_w1")) @ p("decay_w2")
-                w_cols = heads_cols(torch.exp(-torch.exp(w)))
-            ys = []
-            for t in range(T):
-                s = slice(None) if T == 1 else slice(t, t + 1)
-                kv = k_cols[..., s] * v_rows[:, :, s]
-                ys.append(r_rows[:, :, s] @ (u * kv + state))
-                decay = p("decay") if cfg.version == 5 else w_cols[..., s]
-                state = kv + decay * state
-            y = ys[0] if T == 1 else torch.cat(ys, dim=2)
-            y = group_norm(y.transpose(1, 2), p("ln_x.weight"), p("ln_x.bias"), self.gn_eps)
-            return (y.reshape(B, T, C) * g) @ p("output"), state
-
-        # ---- channel mixing ---------------------------------------------------------
-        def cmix(self, i, x, shift):
-            m_ = f"blocks.{i}.ffn."
-            p = lambda k: self.p(m_ + k)  # noqa: E731
-            prev = shifted(x, shift)
-            if cfg.version == 7:
-                k = x + (prev - x) * p("x_k")
-                return torch.relu(k @ p("key")).square() @ p("value")
-            if cfg.version == 5:
-                d = x - prev
-                xk, xr = prev + d * p("mix_k"), prev + d * p("mix_r")
-            else:
-                sx = prev - x
-                xk, xr = x + sx * p("mix_k"), x + sx * p("mix_r")
-            r = torch.sigmoid(xr @ p("receptance"))
-            return r * (torch.relu(xk @ p("key")).square() @ p("value"))
-
-        def forward(self, first, *rest):
-            rest = list(rest)
-            if spec.is_first and not spec.ext_embedding:
-                x = self.p("emb")[first]
-            else:
-                x = first
-            v_first = rest.pop(0) if (cfg.version == 7 and not spec.is_first) else None
-            new_states = []
-            for n, i in enumerate(range(*spec.layers)):
-                tshift, wkv, cshift = rest[3 * n : 3 * n + 3]
-                scale = spec.hidden_scale(i)
-                eps = LN_EPS / scale**2
-                b = f"blocks.{i}."
-                xa = layer_norm(x, self.p(b + "ln1.weight"), self.p(b + "ln1.bias"), eps)
-                if cfg.version == 7:
-                    out, wkv, v_first = self.tmix_v7(i, xa, tshift, wkv, v_first)
-                else:
-                    out, wkv = self.tmix_v56(i, xa, tshift, wkv)
-                x = x + out
-                xf = layer_norm(x, self.p(b + "ln2.weight"), self.p(b + "ln2.bias"), eps)
-                x = x + self.cmix(i, xf, cshift)
-                if spec.halves_after(i):
-                    x = x * 0.5
-                new_states += [xa[:, T - 1], wkv, xf[:, T - 1]]
-            outputs = []
-            if spec.is_last:
-                if spec.last_token_logits:
-                    x = x[:, T - 1 :]
-                scale = spec.hidden_scale(cfg.n_layers)
-                x = layer_norm(x, self.p("ln_out.weight"), self.p("ln_out.bias"), LN_EPS / scale**2)
-                outputs.append(x @ self.p("head"))
-            else:
-                outputs.append(x)
-                if cfg.version == 7:
-                    outputs.append(v_first)
-            return tuple(outputs + new_states)
-
-    return RwkvChunk()
-
-
 def prepared_blocks(ckpt, spec: GraphSpec, name: str, max_bytes: int = 32 << 20):
     """``prepared_tensor(name)`` as consecutive float32 row blocks of bounded size.
 
@@ -689,7 +482,7 @@ def load_weights(module, ckpt):
 
 
 def fp16_scales(wkv_scale: float):
-    """Split a power-of-two wkv scale between k and v as seed 001 does (8 -> k/2, v/4)."""
+    """Split a power-of-two wkv scale between k and v (8 -> k/2, v/4)."""
     m = round(math.log2(wkv_scale))
     if 2.0**m != wkv_scale or m < 0:
         raise NpuforgeError(f"wkv scale {wkv_scale} is not a power of two >= 1; use 1, 2, 4, 8 ...")

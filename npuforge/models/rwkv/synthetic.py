@@ -82,7 +82,7 @@ def _tensor_values(key: str, shape: tuple, seed: int, cfg, stress: bool):
 
 
 def make_config(version: int, layers: int, embed: int, vocab: int, head_size: int):
-    from npuforge.models import rwkv
+    from npuforge.models.rwkv import layout
 
     if version not in (5, 6, 7):
         raise NpuforgeError(f"RWKV version {version} is not supported; use 5, 6 or 7")
@@ -90,15 +90,15 @@ def make_config(version: int, layers: int, embed: int, vocab: int, head_size: in
         raise NpuforgeError(
             f"embed {embed} must be a positive multiple of head size {head_size}; fix --embed"
         )
-    return rwkv.RwkvConfig(
+    return layout.RwkvConfig(
         version=version,
         n_layers=layers,
         embed_dim=embed,
         n_heads=embed // head_size,
         head_size=head_size,
         vocab_size=vocab,
-        ffn_dim=rwkv.default_ffn_dim(version, embed),
-        lora=rwkv.default_lora(version, embed),
+        ffn_dim=layout.default_ffn_dim(version, embed),
+        lora=layout.default_lora(version, embed),
     )
 
 
@@ -106,13 +106,13 @@ def synthetic_state_dict(cfg, seed: int = 0, dtype: str = "bf16", stress: bool =
     """name -> torch tensor, in the official key order, for config ``cfg``."""
     import torch
 
-    from npuforge.models import rwkv
+    from npuforge.models.rwkv import layout
 
     if dtype not in DTYPES:
         raise NpuforgeError(f"dtype {dtype!r} is not supported; use bf16, fp16 or fp32")
     torch_dtype = getattr(torch, DTYPES[dtype])
     state = {}
-    for key, shape in rwkv.expected_shapes(cfg).items():
+    for key, shape in layout.expected_shapes(cfg).items():
         values = _tensor_values(key, tuple(shape), seed, cfg, stress)
         state[key] = torch.from_numpy(values).to(torch_dtype)
     return state
@@ -140,21 +140,6 @@ def write_synthetic_checkpoint(
         else:
             raise NpuforgeError(f"format {fmt!r} is not supported; use pth or safetensors")
     return cfg
-
-
-def write_synthetic_source(out, spec: dict, fmt: str):
-    """The registry's ``synthetic`` source: an RWKV file (pth/safetensors), or for format
-    ``hf`` a Llama-family model directory (``npuforge.models.llama.write_synthetic_checkpoint``:
-    config.json + model.safetensors, no tokenizer files)."""
-    if fmt != "hf":
-        return write_synthetic_checkpoint(out, fmt=fmt, **spec)
-    from npuforge.models import llama
-
-    args = {k: v for k, v in spec.items() if k != "version"}
-    try:
-        return llama.write_synthetic_checkpoint(out, **args)
-    except TypeError as err:
-        raise NpuforgeError(f"synthetic llama source: {err}; see config/models.yaml") from None
 
 
 def cached_synthetic_checkpoint(directory, **args):

@@ -1,0 +1,89 @@
+"""The Llama family (Llama, Qwen2, Qwen3, SmolLM2): Hugging Face model directories to
+static ONNX graphs with an explicit KV cache.
+
+The same functions as every family package (see ``npuforge.models``): ``inspect``,
+``export``, ``reference_logits`` (transformers), ``extra_inputs`` (mask, RoPE rows
+and cache slots, fed by the host), ``tokenizer`` and ``write_synthetic``.
+
+Where things live: ``config`` (config.json, RoPE tables), ``weights`` (safetensors,
+synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
+``export`` (graphs, host inputs, export.json).
+"""
+
+from pathlib import Path
+
+NAME = "llama"
+# Export options this family takes besides the common ones (see npuforge.models).
+EXPORT_OPTIONS = ("cache_len", "sha", "mask_value")
+# Additive mask for hidden slots. Deep enough that exp() of a hidden score is ~1e-28
+# of a visible one, shallow enough that quantized activations keep the scores' detail
+# next to it: with -1e4, RK3588 w16a16i_dfp verified at cosine 0.98, with -64 at 0.99999.
+MASK_VALUE = -64.0
+
+
+def export_options(model: dict, export: dict) -> dict:
+    """The family's export options for a registry model and a target's export choices.
+
+    KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
+    graph choice (the Qualcomm HTP targets ask for it) that changes the bytes.
+    """
+    return {
+        "cache_len": int(model["context_length"]),
+        "sha": bool(export.get("sha", False)),
+        "mask_value": float(export.get("mask_value", MASK_VALUE)),
+    }
+
+
+def inspect(path) -> dict:
+    from npuforge.models.llama.weights import inspect_llama
+
+    return inspect_llama(path)
+
+
+def export(checkpoint, out_dir, **options) -> dict:
+    from npuforge.models.llama.onnx_export import export_llama
+
+    return export_llama(checkpoint, out_dir, **options)
+
+
+def reference_logits(checkpoint, tokens) -> tuple:
+    from importlib import metadata
+
+    from npuforge.models.llama.weights import reference_logits as transformers_logits
+
+    name = f"transformers {metadata.version('transformers')} fp32 (AutoModelForCausalLM, eager)"
+    return transformers_logits(checkpoint, tokens), name
+
+
+def extra_inputs(meta: dict, spec: dict, position: int):
+    from npuforge.models.llama.onnx_export import extra_inputs as llama_inputs
+
+    return llama_inputs(meta, spec, position)
+
+
+def tokenizer(checkpoint=None) -> tuple:
+    """The checkpoint's tokenizer.json, or UTF-8 bytes (labelled so) when it has none."""
+    from npuforge.fileio import sha256_file
+    from npuforge.texts import ByteTokenizer, HfTokenizer
+
+    path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
+    if path is not None and path.is_file():
+        return HfTokenizer(path), {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
+    why = "the checkpoint has no tokenizer.json" if checkpoint else "no checkpoint given"
+    return ByteTokenizer(), {
+        "kind": "bytes",
+        "note": f"{why}: token ids are UTF-8 bytes folded into the vocabulary, not a vocabulary",
+    }
+
+
+def write_synthetic(out, spec: dict, fmt: str):
+    from npuforge.errors import NpuforgeError
+    from npuforge.models.llama.weights import write_synthetic_checkpoint
+
+    if fmt != "hf":
+        raise NpuforgeError("a synthetic llama checkpoint is a model directory: set format: hf")
+    args = {k: v for k, v in spec.items() if k != "version"}
+    try:
+        return write_synthetic_checkpoint(out, **args)
+    except TypeError as err:
+        raise NpuforgeError(f"synthetic llama source: {err}; see config/models.yaml") from None

@@ -1,0 +1,165 @@
+"""The Llama-family decoder in plain torch, in the spirit of nanoGPT's model.py.
+
+``Llama`` is the whole decoder; ``forward`` runs layers [first, last) of one chunk
+over ``T`` tokens against an explicit KV cache that it updates by mask (see
+``npuforge.models.llama.onnx_export``). The position-dependent tensors (mask, RoPE rows,
+cache write/keep slots) come in as inputs, computed by the host.
+"""
+
+import torch
+from torch import nn
+
+from npuforge.errors import NpuforgeError
+from npuforge.models.llama.config import LlamaConfig, load_config
+from npuforge.models.llama.weights import load_state_dict
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(e, self.heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(e, self.kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * d, e, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
+        b, t, _ = x.shape
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, h, d)
+        k = self.k_proj(x).view(b, t, kv, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, KV, T, D]
+        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # Mask-based cache update: clear the written slots, add the new rows there.
+        k_cache = k_cache * keep + torch.matmul(write, k)
+        v_cache = v_cache * keep + torch.matmul(write, v)
+        # GQA without repeating K/V: the G query heads sharing a kv head are
+        # stacked along the token axis, [B, KV, G*T, D].
+        length = k_cache.shape[2]
+        q = (q * d**-0.5).reshape(b, kv, (h // kv) * t, d)
+        scores = torch.matmul(q, k_cache.transpose(2, 3)).view(b, h, t, length) + mask
+        probs = torch.softmax(scores, dim=-1).view(b, kv, (h // kv) * t, length)
+        out = torch.matmul(probs, v_cache).view(b, h, t, d).transpose(1, 2)
+        return self.o_proj(out.reshape(b, t, h * d)), k_cache, v_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, e, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
+        a, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, write, keep, mask, k_cache, v_cache
+        )
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class Llama(nn.Module):
+    """The whole decoder; ``forward`` runs layers [first, last) of a chunk."""
+
+    def __init__(self, cfg: LlamaConfig, cache_len: int):
+        super().__init__()
+        self.cfg, self.cache_len = cfg, cache_len
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x, mask, cos, sin, write, keep, caches, first=0, last=None, embed=None):
+        """One call of layers [first, last); the position-dependent inputs come from
+        ``host_inputs`` (mask [B,1,T,L], cos/sin [B,1,T,D], write [B,1,L,T], keep [B,1,L,1]).
+
+        x: token ids [B, T] when ``embed`` (default: first == 0), else hidden [B, T, E].
+        caches: [k_0, v_0, k_1, v_1, ...] for layers first..last-1.
+        Returns (hidden or logits, updated caches in the same order).
+        """
+        last = self.cfg.num_layers if last is None else last
+        if first == 0 if embed is None else embed:
+            x = self.embed_tokens(x)
+        new_caches = []
+        for offset, layer in enumerate(self.layers[first:last]):
+            x, k, v = layer(x, cos, sin, write, keep, mask, *caches[2 * offset : 2 * offset + 2])
+            new_caches += [k, v]
+        if last == self.cfg.num_layers:
+            x = self.lm_head(self.norm(x))
+        return x, new_caches
+
+
+def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int):
+    """A Llama torch module in eval mode with the checkpoint's weights loaded."""
+    # Built on the meta device and given the checkpoint tensors themselves (assign=True):
+    # no random init, no second copy of the weights.
+    with torch.device("meta"):
+        model = Llama(cfg, cache_len)
+    weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise NpuforgeError("checkpoint has no lm_head.weight and config says untied embeddings")
+    expected = {
+        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing, unexpected = expected - weights.keys(), weights.keys() - expected
+    # Some checkpoints store derived rotary buffers; they are recomputed here.
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise NpuforgeError(
+            f"checkpoint tensors do not match the {cfg.model_type} layout "
+            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); "
+            "check config.json belongs to these weights"
+        )
+    model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise NpuforgeError("llama model has unloaded parameters; this is a bug")
+    return model.eval()
+
+
+def load_llama(checkpoint_dir, cache_len: int):
+    cfg = load_config(checkpoint_dir)
+    return build_model(cfg, load_state_dict(checkpoint_dir), cache_len)

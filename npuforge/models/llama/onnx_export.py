@@ -1,0 +1,345 @@
+"""Export a Llama-family checkpoint to static ONNX graphs plus ``export.json``.
+
+The graphs are static: every call processes ``tokens`` positions (AR-N prefill
+or AR-1 decode) against a fixed-size KV cache, which is explicit graph I/O (one
+K and one V tensor per layer, [batch, kv_heads, cache_len, head_dim]). The
+update is mask based, never a shift: the graph takes the whole cache and returns
+the whole cache with the new entries written at their absolute positions,
+chosen by the one-hot ``cache_write`` input::
+
+    cache_write[b, 0, l, t] = 1 if l == position + t                  # [B, 1, L, T]
+    cache_keep = 1 - cache_write.sum(-1)                              # [B, 1, L, 1]
+    cache_out = cache * cache_keep + cache_write @ new_entries
+
+so a runner feeds ``cache_out`` back as ``cache`` unchanged. Attention runs over
+the updated cache; the additive ``attention_mask`` input hides every slot beyond
+the query's own position (stale or empty slots).
+
+Extra graph inputs (roles beyond tokens/embedding/hidden/state/logits), all in
+the graph dtype and all built by ``extra_inputs`` / ``host_inputs`` from the
+absolute position of the call's first token:
+
+    attention_mask  [batch, 1, tokens, cache_len]   role "mask" (0 or MASK_VALUE)
+    rope_cos        [batch, 1, tokens, head_dim]    role "rope_cos"
+    rope_sin        [batch, 1, tokens, head_dim]    role "rope_sin"
+    cache_write     [batch, 1, cache_len, tokens]   role "cache_write"
+    cache_keep      [batch, 1, cache_len, 1]        role "cache_keep"
+
+The graphs hold no integer ops apart from the token Gather. The attention of
+layer i is exported under the ONNX name scope ``/layers.{i}/self_attn/`` with
+projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``; npuforge.passes.mha_to_sha
+relies on that layout.
+"""
+
+import shutil
+import warnings
+from dataclasses import asdict
+
+import numpy as np
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import atomic_path, sha256_file, write_json
+from npuforge.models.llama import MASK_VALUE
+from npuforge.models.llama.config import LlamaConfig, load_config, rope_rows
+from npuforge.models.llama.model import build_model
+from npuforge.models.llama.weights import load_state_dict
+from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
+
+DEFAULT_PREFILL_TOKENS = 16
+# Position-dependent inputs the host computes per call (role -> graph input name).
+# Keeping RoPE gathers and the cache-slot one-hot out of the graph leaves only float
+# ops inside, which NPUs run without CPU fallback.
+HOST_ROLES = {
+    "mask": "attention_mask",
+    "rope_cos": "rope_cos",
+    "rope_sin": "rope_sin",
+    "cache_write": "cache_write",
+    "cache_keep": "cache_keep",
+}
+
+
+def host_inputs(
+    cfg: LlamaConfig,
+    *,
+    batch,
+    tokens,
+    cache_len,
+    position,
+    dtype=np.float32,
+    mask_value=MASK_VALUE,
+):
+    """The position-dependent graph inputs of one call, by role.
+
+    mask        [B, 1, T, L]  0 where slot <= position + t, else mask_value (causal + unused)
+    rope_cos    [B, 1, T, D]  RoPE cos/sin rows of positions position..position+T-1
+    rope_sin    [B, 1, T, D]
+    cache_write [B, 1, L, T]  one-hot: slot position+t receives this call's token t
+    cache_keep  [B, 1, L, 1]  1 - cache_write.sum(-1): slots that keep their old entry
+    """
+    if position < 0 or position + tokens > cache_len:
+        raise NpuforgeError(
+            f"position {position} + {tokens} tokens exceeds the exported cache of {cache_len}; "
+            "export with a larger cache_len or shorten the run"
+        )
+    positions = position + np.arange(tokens)
+    slots = np.arange(cache_len)
+    mask = np.where(slots[None, :] <= positions[:, None], 0.0, mask_value)
+    cos, sin = rope_rows(cfg, positions)
+    write = (slots[:, None] == positions[None, :]).astype(np.float64)
+    keep = 1.0 - write.sum(-1, keepdims=True)
+    values = {
+        "mask": mask,
+        "rope_cos": cos,
+        "rope_sin": sin,
+        "cache_write": write,
+        "cache_keep": keep,
+    }
+    return {
+        role: np.broadcast_to(value.astype(dtype), (batch, 1, *value.shape)).copy()
+        for role, value in values.items()
+    }
+
+
+def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarray:
+    """Value of a llama-specific graph input for a call whose first token is at ``position``."""
+    role = input_spec.get("role")
+    if role not in HOST_ROLES:
+        raise NpuforgeError(f"llama graphs have no input role {role!r} ({input_spec.get('name')})")
+    values = host_inputs(
+        LlamaConfig(**export_meta["config"]),
+        batch=export_meta["batch"],
+        tokens=export_meta["tokens_per_call"],
+        cache_len=export_meta["cache_len"],
+        position=position,
+        dtype=np.dtype(input_spec.get("dtype", "float32")),
+        mask_value=export_meta.get("options", {}).get("mask_value", MASK_VALUE),
+    )
+    return values[role]
+
+
+def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embedding):
+    """(inputs, outputs) specs of one chunk, in graph order, in export.json shape."""
+    fdt = str(np.dtype(np_dtype))
+    cache_shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
+    if first == 0 and ext_embedding:
+        shape = [batch, tokens, cfg.hidden_size]
+        inputs = [{"name": "embedding", "shape": shape, "dtype": fdt, "role": "embedding"}]
+    elif first == 0:
+        inputs = [{"name": "tokens", "shape": [batch, tokens], "dtype": "int64", "role": "tokens"}]
+    else:
+        shape = [batch, tokens, cfg.hidden_size]
+        inputs = [{"name": "hidden_in", "shape": shape, "dtype": fdt, "role": "hidden"}]
+    host_shapes = {
+        "mask": [batch, 1, tokens, cache_len],
+        "rope_cos": [batch, 1, tokens, cfg.head_dim],
+        "rope_sin": [batch, 1, tokens, cfg.head_dim],
+        "cache_write": [batch, 1, cache_len, tokens],
+        "cache_keep": [batch, 1, cache_len, 1],
+    }
+    inputs += [
+        {"name": HOST_ROLES[role], "shape": shape, "dtype": fdt, "role": role}
+        for role, shape in host_shapes.items()
+    ]
+    if last == cfg.num_layers:
+        shape = [batch, tokens, cfg.vocab_size]
+        outputs = [{"name": "logits", "shape": shape, "dtype": fdt, "role": "logits"}]
+    else:
+        shape = [batch, tokens, cfg.hidden_size]
+        outputs = [{"name": "hidden_out", "shape": shape, "dtype": fdt, "role": "hidden"}]
+    for layer in range(first, last):
+        for kind in ("k", "v"):
+            name = cache_name(layer, kind)
+            state = {"name": name, "shape": cache_shape, "dtype": fdt, "role": "state"}
+            inputs.append({**state, "output": f"{name}_out"})
+            outputs.append({**state, "name": f"{name}_out"})
+    return inputs, outputs
+
+
+def cache_name(layer: int, kind: str) -> str:
+    """Graph input name of layer ``layer``'s K (kind "k") or V cache; the output adds _out."""
+    return f"cache_{layer}_{kind}"
+
+
+def _export_chunk(model, first, last, inputs, outputs, scratch):
+    """Trace layers [first, last) to ONNX; return the model with canonical names."""
+    import onnx
+    import torch
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, mask, cos, sin, write, keep, *caches):
+            embed = inputs[0]["role"] == "tokens"
+            host = (mask, cos, sin, write, keep)
+            y, new_caches = self.model(x, *host, list(caches), first, last, embed)
+            return (y, *new_caches)
+
+    examples = []
+    for spec in inputs:
+        if spec["dtype"] == "int64":
+            examples.append(torch.zeros(spec["shape"], dtype=torch.int64))
+        else:
+            examples.append(torch.zeros(spec["shape"], dtype=model.embed_tokens.weight.dtype))
+    # The TorchScript exporter keeps module scopes in node names (/layers.{i}/self_attn/...),
+    # which the MHA->SHA pass keys on. Past 2 GB it writes one file per tensor, hence
+    # the scratch folder.
+    scratch.mkdir()
+    path = scratch / "chunk.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            Chunk().eval(),
+            tuple(examples),
+            str(path),
+            input_names=[s["name"] for s in inputs],
+            output_names=[s["name"] for s in outputs],
+            opset_version=OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    proto = onnx.load(str(path))
+    _canonicalize_names(proto)
+    return proto
+
+
+def _canonicalize_names(proto):
+    """Give nodes and weights stable, readable names the MHA->SHA pass can key on.
+
+    The exporter's wrapper adds '/model' to node names ('/model/layers.0/...' becomes
+    '/layers.0/...'), and transposed Linear weights arrive as 'onnx::MatMul_<n>';
+    they are renamed '<module path>.weight_t' ([in, out]) after the MatMul that reads them.
+    """
+    graph = proto.graph
+    renames = {}
+    for node in graph.node:
+        if node.name.startswith("/model/"):
+            node.name = node.name[len("/model") :]
+        if node.op_type == "MatMul" and node.name.endswith("_proj/MatMul"):
+            weight = node.input[1]
+            if weight.startswith("onnx::"):
+                module = node.name.strip("/").removesuffix("/MatMul").replace("/", ".")
+                renames[weight] = f"{module}.weight_t"
+        if node.name == "/lm_head/MatMul" and node.input[1].startswith("onnx::"):
+            renames[node.input[1]] = "lm_head.weight_t"
+    for init in graph.initializer:
+        init.name = renames.get(init.name, init.name)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renames.get(name, name)
+
+
+def export_llama(
+    checkpoint_dir,
+    out_dir,
+    *,
+    variant: str,
+    tokens: int | None = None,
+    dtype: str = "fp32",
+    chunks: int = 1,
+    batch: int = 1,
+    cache_len: int | None = None,
+    sha: bool = False,
+    ext_embedding: bool = False,
+    external_data: bool | None = None,
+    mask_value: float = MASK_VALUE,
+) -> dict:
+    """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
+
+    variant "decode" is AR-1 (tokens must be 1); "prefill" is AR-N with N = tokens
+    (default DEFAULT_PREFILL_TOKENS). ext_embedding=True writes embedding.bin
+    (npuforge.onnx_io layout) and the first chunk takes rows of it (role "embedding").
+    cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
+    MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk. external_data: weights
+    in chunkN.onnx.data (None: only past the 2 GB protobuf limit). mask_value: the
+    additive mask of hidden slots, recorded in export.json for the runner.
+    """
+    import torch
+
+    if variant not in ("decode", "prefill"):
+        raise NpuforgeError(f"variant must be decode or prefill, got {variant!r}")
+    if tokens is None:
+        tokens = 1 if variant == "decode" else DEFAULT_PREFILL_TOKENS
+    if variant == "decode" and tokens != 1:
+        raise NpuforgeError(f"the decode variant takes 1 token per call, got tokens={tokens}")
+    if tokens < 1 or batch < 1:
+        raise NpuforgeError(f"tokens and batch must be positive, got {tokens} and {batch}")
+    dtypes = {"fp32": (torch.float32, np.float32), "fp16": (torch.float16, np.float16)}
+    if dtype not in dtypes:
+        raise NpuforgeError(f"dtype must be fp32 or fp16 for llama exports, got {dtype!r}")
+    torch_dtype, np_dtype = dtypes[dtype]
+
+    cfg = load_config(checkpoint_dir)
+    cache_len = cache_len or min(cfg.max_position_embeddings, 2048)
+    if tokens > cache_len:
+        raise NpuforgeError(f"tokens per call ({tokens}) exceed cache_len ({cache_len})")
+    state_dict = load_state_dict(checkpoint_dir, torch_dtype)
+    model = build_model(cfg, state_dict, cache_len).to(torch_dtype)
+    del state_dict
+    ranges = split_layers(cfg.num_layers, chunks)
+
+    graphs, embedding = [], None
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        if ext_embedding:
+            table = model.embed_tokens.weight.detach().numpy().astype(np_dtype)
+            embedding = embedding_entry(tmp, table)
+        for index, (first, last) in enumerate(ranges):
+            inputs, outputs = _chunk_io(
+                cfg,
+                first,
+                last,
+                batch=batch,
+                tokens=tokens,
+                cache_len=cache_len,
+                np_dtype=np_dtype,
+                ext_embedding=ext_embedding,
+            )
+            scratch = tmp / f".scratch{index}"
+            proto = _export_chunk(model, first, last, inputs, outputs, scratch)
+            if sha:
+                from npuforge.passes import mha_to_sha
+
+                proto = mha_to_sha.convert(proto, inplace=True)
+            path = tmp / f"chunk{index}.onnx"
+            external = save_onnx(proto, path, external_data)
+            del proto
+            shutil.rmtree(scratch)
+            graph = {
+                "file": path.name,
+                "sha256": sha256_file(path),
+                "layers": [first, last],
+                "inputs": inputs,
+                "outputs": outputs,
+            }
+            if external:
+                graph["external_data"] = external
+            graphs.append(graph)
+        meta = {
+            "family": "llama",
+            "arch": cfg.model_type,
+            "variant": variant,
+            "dtype": dtype,
+            "batch": batch,
+            "tokens_per_call": tokens,
+            "cache_len": cache_len,
+            "chunks": len(ranges),
+            "vocab_size": cfg.vocab_size,
+            "embed_dim": cfg.hidden_size,
+            "n_layers": cfg.num_layers,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "config": asdict(cfg),
+            "options": {
+                "sha": sha,
+                "ext_embedding": ext_embedding,
+                "mask_value": float(mask_value),
+                "opset": OPSET,
+            },
+            "embedding": embedding,
+            "graphs": graphs,
+        }
+        write_json(tmp / "export.json", meta)
+    return meta
