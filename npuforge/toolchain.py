@@ -130,7 +130,7 @@ def _typed(module, target_options):
         return target_options
     if isinstance(target_options, module.Options):
         return target_options
-    from npuforge.backends.base import parse_options
+    from npuforge.backends import parse_options
 
     return parse_options(module.Options, target_options, f"{module.NAME} target options")
 

@@ -17,8 +17,8 @@ from llama_fixtures import (
 
 from npuforge.errors import NpuforgeError
 from npuforge.models.llama import config as llama_config
-from npuforge.models.llama import onnx_export as llama_export
 from npuforge.models.llama import model as llama_model
+from npuforge.models.llama import onnx_export as llama_export
 from npuforge.models.llama import weights as llama_weights
 
 CACHE_LEN = 64

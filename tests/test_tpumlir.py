@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from npuforge import backends
 from npuforge.backends import base, tpumlir, tpumlir_commands, tpumlir_env
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.cache import cache_root
@@ -677,7 +678,7 @@ def test_cli_refuses_a_precision_without_a_quantize_mode(tmp_path):
             "--target",
             "BM1688",
             "--target-options",
-            json.dumps(base.options_dict(_options("bm1688"))),
+            json.dumps(backends.options_dict(_options("bm1688"))),
             "--precision",
             "w8a8",
             "--toolchain",

@@ -8,6 +8,7 @@ imports inside functions; their job scripts (``npuforge/jobs/``) run inside the
 vendor's toolchain environment and never import npuforge.
 """
 
+import dataclasses
 import importlib
 
 from npuforge.errors import NpuforgeError
@@ -24,6 +25,32 @@ def get(name: str):
 
 def options_of(name: str, mapping: dict, target: str):
     """A target's ``options`` as its backend's typed Options (unknown keys refused)."""
-    from npuforge.backends.base import parse_options
-
     return parse_options(get(name).Options, mapping, f"target {target}")
+
+
+def parse_options(cls, mapping, where: str):
+    """A target's ``options`` mapping as the backend's Options dataclass; ``where`` names
+    it in errors ("target SM8650"). An unknown key is an error naming the valid ones (a
+    typo must not pass silently)."""
+    mapping = dict(mapping or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise NpuforgeError(
+            f"{where}: unknown option {unknown[0]!r}; valid options: {', '.join(sorted(fields))}"
+        )
+    missing = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and name not in mapping
+    ]
+    if missing:
+        raise NpuforgeError(f"{where}: options need {missing[0]!r}; add it in targets.yaml")
+    return cls(**mapping)
+
+
+def options_dict(options) -> dict:
+    """Options as the plain mapping they were given as, defaults filled in (for records)."""
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)

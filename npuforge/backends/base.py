@@ -25,7 +25,6 @@ and under fp32 with its relative change.
 No heavy imports at module level: the registry imports backends at parse time.
 """
 
-import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
@@ -83,34 +82,6 @@ class CommonOptions:
     min_cosine: float | dict | None = None
     min_top1: float | dict | None = None
     max_perplexity_delta: float | dict | None = None
-
-
-def parse_options(cls, mapping, where: str):
-    """A target's ``options`` mapping as the backend's Options dataclass; ``where`` names
-    it in errors ("target SM8650"). An unknown key is an error naming the valid ones (a
-    typo must not pass silently)."""
-    mapping = dict(mapping or {})
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(mapping) - set(fields))
-    if unknown:
-        raise NpuforgeError(
-            f"{where}: unknown option {unknown[0]!r}; valid options: {', '.join(sorted(fields))}"
-        )
-    missing = [
-        name
-        for name, f in fields.items()
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and name not in mapping
-    ]
-    if missing:
-        raise NpuforgeError(f"{where}: options need {missing[0]!r}; add it in targets.yaml")
-    return cls(**mapping)
-
-
-def options_dict(options) -> dict:
-    """Options as the plain mapping they were given as, defaults filled in (for records)."""
-    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
 
 
 # --------------------------------------------------------------------------- exports

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from npuforge import backends
 from npuforge.backends import base
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
@@ -107,7 +108,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "versions": {"onnxruntime": metadata.version("onnxruntime")},
             },
             "verification": verification,
-            "options": base.options_dict(request.options),
+            "options": backends.options_dict(request.options),
         }
         write_json(tmp / "compile.json", record)
         base.check_gate(

@@ -89,7 +89,8 @@ def artifacts_and_notes(result: dict, variants: list[str], staging) -> tuple:
 
 
 def options_record(options, spec, result, exports, precision, calibrations) -> dict:
-    from npuforge.backends.base import calibration_summary, options_dict
+    from npuforge.backends import options_dict
+    from npuforge.backends.base import calibration_summary
 
     decode = exports["decode"]
     return {

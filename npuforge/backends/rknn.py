@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from npuforge import backends
 from npuforge.backends import base
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
@@ -380,7 +381,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             },
             "graph_rewrites": rewrites,
             "options": {
-                **base.options_dict(options),
+                **backends.options_dict(options),
                 "quantized_dtype": precision if quantized else None,
                 # Which tensors stayed float16 and the hash of the toolkit's quantization config.
                 "float16": {"selection": float16, "chunks": hybrids} if float16 else None,

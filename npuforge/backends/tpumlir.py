@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from npuforge import backends
 from npuforge.backends import base
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.backends.tpumlir_commands import (
@@ -358,7 +359,7 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
             for g in spec["graphs"]
         ],
         "options": {
-            **base.options_dict(options),
+            **backends.options_dict(options),
             "quantize": spec["quantize"],
             "stages": [step["name"] for step in spec["steps"]],
         },

@@ -12,13 +12,11 @@ synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
 
 from pathlib import Path
 
+from npuforge.models.llama.config import MASK_VALUE
+
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
 EXPORT_OPTIONS = ("cache_len", "sha", "mask_value")
-# Additive mask for hidden slots. Deep enough that exp() of a hidden score is ~1e-28
-# of a visible one, shallow enough that quantized activations keep the scores' detail
-# next to it: with -1e4, RK3588 w16a16i_dfp verified at cosine 0.98, with -64 at 0.99999.
-MASK_VALUE = -64.0
 
 
 def export_options(model: dict, export: dict) -> dict:

@@ -39,8 +39,7 @@ import numpy as np
 
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
-from npuforge.models.llama import MASK_VALUE
-from npuforge.models.llama.config import LlamaConfig, load_config, rope_rows
+from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, load_config, rope_rows
 from npuforge.models.llama.model import build_model
 from npuforge.models.llama.weights import load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
