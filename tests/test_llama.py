@@ -31,14 +31,26 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "kind, chunks, batch",
-    [("llama", 2, 1), ("qwen2", 1, 1), ("smollm2", 1, 2), ("qwen3", 2, 1)],
+    "kind, chunks, batch, fp16_fixes",
+    [
+        ("llama", 2, 1, False),
+        ("qwen2", 1, 1, False),
+        ("smollm2", 1, 2, False),
+        ("qwen3", 2, 1, False),
+        ("smollm2", 2, 1, False),
+        ("smollm2", 2, 1, True),
+        ("qwen3", 1, 1, True),
+    ],
 )
-def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, chunks, batch):
+def test_prefill_then_decode_matches_transformers(
+    checkpoints, tmp_path, kind, chunks, batch, fp16_fixes
+):
     checkpoint = checkpoints[kind]
     vocab = TINY_CONFIGS[kind]["vocab_size"]
     ids = np.random.default_rng(7).integers(0, vocab, (batch, PREFILL + DECODE_STEPS))
-    common = dict(dtype="fp32", chunks=chunks, batch=batch, cache_len=CACHE_LEN)
+    common = dict(
+        dtype="fp32", chunks=chunks, batch=batch, cache_len=CACHE_LEN, fp16_fixes=fp16_fixes
+    )
     prefill = llama_export.export_llama(
         checkpoint, tmp_path / "prefill", variant="prefill", tokens=PREFILL, **common
     )
@@ -50,6 +62,29 @@ def test_prefill_then_decode_matches_transformers(checkpoints, tmp_path, kind, c
     assert got.shape == want.shape == (batch, PREFILL + DECODE_STEPS, vocab)
     error = np.abs(got - want).max()
     assert error <= 1e-4 * np.abs(want).max(), f"max |diff| {error}"
+
+
+def test_fp16_safe_norm_is_exact_and_survives_massive_activations():
+    import torch
+
+    torch.manual_seed(0)
+    plain = llama_model.RMSNorm(64, 1e-5)
+    safe = llama_model.RMSNorm(64, 1e-5, fp16_safe=True)
+    with torch.no_grad():
+        plain.weight.copy_(torch.rand(64) + 0.5)
+        safe.weight.copy_(plain.weight)
+    x = torch.randn(3, 4, 64)
+    x[0, 0, 5] = 2.2e4  # SmolLM2-135M's hidden state reaches 21,743 on its first token
+    x[1] *= 1e-3  # a quiet row: the pre-scale must not push it into fp16's subnormals
+    want = plain(x)
+    assert torch.allclose(safe(x), want, rtol=1e-6, atol=1e-6)
+
+    with torch.no_grad():
+        plain_fp16 = plain.half()(x.half()).float()
+        safe_fp16 = safe.half()(x.half()).float()
+    # The plain form squares 2.2e4 (past fp16's 65,504): that row's output is lost.
+    assert not torch.allclose(plain_fp16[0, 0], want[0, 0], rtol=0.05, atol=0.05)
+    assert torch.allclose(safe_fp16, want, rtol=0.01, atol=0.01)
 
 
 def test_ext_embedding_and_fp16_exports(checkpoints, tmp_path):

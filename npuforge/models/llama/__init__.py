@@ -16,7 +16,7 @@ from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
-EXPORT_OPTIONS = ("cache_len", "sha", "mask_value")
+EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes")
 
 
 def export_options(model: dict, export: dict) -> dict:
@@ -29,6 +29,7 @@ def export_options(model: dict, export: dict) -> dict:
         "cache_len": int(model["context_length"]),
         "sha": bool(export.get("sha", False)),
         "mask_value": float(export.get("mask_value", MASK_VALUE)),
+        "fp16_fixes": bool(export.get("fp16_fixes", True)),
     }
 
 

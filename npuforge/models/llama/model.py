@@ -13,14 +13,29 @@ from npuforge.errors import NpuforgeError
 from npuforge.models.llama.config import LlamaConfig, load_config
 from npuforge.models.llama.weights import load_state_dict
 
+# Floor of the fp16-safe norm's divisor: keeps eps / m**2 below 0.05 in fp16.
+SAFE_NORM_FLOOR = 2.0**-6
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, fp16_safe=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp16_safe = fp16_safe
 
     def forward(self, x):
+        if self.fp16_safe:
+            # rms(x) = m * rms(x / m) for any m > 0. With m = max |x| every square lies in
+            # [0, 1] and their mean in [1/n, 1], so fp16 neither overflows (trained models'
+            # hidden states reach |x| ~ 2e4, whose square is far past 65504) nor goes
+            # subnormal; eps scales by 1 / m**2 to keep the result exact. y * y, not
+            # y.pow(2): onnxruntime fuses Pow-ReduceMean-Add-Sqrt into a norm whose
+            # epsilon must be a constant, and then drops this one.
+            m = x.abs().amax(-1, keepdim=True).clamp(min=SAFE_NORM_FLOOR)
+            y = x / m
+            variance = (y * y).mean(-1, keepdim=True)
+            return self.weight * (y * torch.rsqrt(variance + self.eps / m / m))
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
@@ -81,11 +96,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, fp16_safe: bool):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
@@ -97,14 +112,18 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The whole decoder; ``forward`` runs layers [first, last) of a chunk."""
+    """The whole decoder; ``forward`` runs layers [first, last) of a chunk.
 
-    def __init__(self, cfg: LlamaConfig, cache_len: int):
+    ``fp16_safe``: the norms of the residual stream take the overflow-free form (see
+    ``RMSNorm``); the q/k norms of Qwen3 see projections, not the stream, and keep theirs.
+    """
+
+    def __init__(self, cfg: LlamaConfig, cache_len: int, fp16_safe: bool = False):
         super().__init__()
         self.cfg, self.cache_len = cfg, cache_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, fp16_safe) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -129,12 +148,12 @@ class Llama(nn.Module):
         return x, new_caches
 
 
-def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int):
+def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int, fp16_safe: bool = False):
     """A Llama torch module in eval mode with the checkpoint's weights loaded."""
     # Built on the meta device and given the checkpoint tensors themselves (assign=True):
     # no random init, no second copy of the weights.
     with torch.device("meta"):
-        model = Llama(cfg, cache_len)
+        model = Llama(cfg, cache_len, fp16_safe)
     weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

@@ -243,6 +243,7 @@ def export_llama(
     ext_embedding: bool = False,
     external_data: bool | None = None,
     mask_value: float = MASK_VALUE,
+    fp16_fixes: bool = False,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -252,7 +253,9 @@ def export_llama(
     cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
     MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk. external_data: weights
     in chunkN.onnx.data (None: only past the 2 GB protobuf limit). mask_value: the
-    additive mask of hidden slots, recorded in export.json for the runner.
+    additive mask of hidden slots, recorded in export.json for the runner. fp16_fixes:
+    the residual stream's norms in a form whose fp16 arithmetic cannot overflow (exact in
+    fp32; for SoCs that compute in fp16 whatever the graph dtype, e.g. the Qualcomm HTP).
     """
     import torch
 
@@ -274,7 +277,7 @@ def export_llama(
     if tokens > cache_len:
         raise NpuforgeError(f"tokens per call ({tokens}) exceed cache_len ({cache_len})")
     state_dict = load_state_dict(checkpoint_dir, torch_dtype)
-    model = build_model(cfg, state_dict, cache_len).to(torch_dtype)
+    model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes).to(torch_dtype)
     del state_dict
     ranges = split_layers(cfg.num_layers, chunks)
 
@@ -335,6 +338,7 @@ def export_llama(
                 "sha": sha,
                 "ext_embedding": ext_embedding,
                 "mask_value": float(mask_value),
+                "fp16_fixes": bool(fp16_fixes),
                 "opset": OPSET,
             },
             "embedding": embedding,
