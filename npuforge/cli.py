@@ -68,6 +68,12 @@ def compile_argument_parser(description: str):
     parser.add_argument(
         "--state", action="append", default=[], help="RWKV state file shipped beside (tpumlir)"
     )
+    parser.add_argument(
+        "--weights",
+        choices=("trained", "synthetic"),
+        default="trained",
+        help="the checkpoint's weights: trained, or synthetic (random); chooses the floors",
+    )
     parser.add_argument("--out-dir", required=True, help="directory to write")
     parser.add_argument("--log", help="append the toolchain job's output here")
     return parser

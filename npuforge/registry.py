@@ -191,3 +191,9 @@ def check_registries(models: dict, targets: dict) -> None:
             raise NpuforgeError(
                 f"target {target_id}: the prefill variant needs export.prefill_tokens; set it"
             )
+
+
+def model_weights(model: dict) -> str:
+    """ "synthetic" for a registry model whose checkpoint is made with random weights, else
+    "trained": the compile step's floors depend on it (npuforge.backends.base)."""
+    return "synthetic" if "synthetic" in model["source"] else "trained"

@@ -26,7 +26,7 @@ from npuforge.matrix import (
     parse_selection,
 )
 from npuforge.provenance import check_models
-from npuforge.registry import check_registries, load_registries
+from npuforge.registry import check_registries, load_registries, model_weights
 from npuforge.schema import validate
 from npuforge.settings import check_calibration_text, results_dir
 

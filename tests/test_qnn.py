@@ -342,6 +342,7 @@ def compile_qnn(exports, calibrations, target, options, precision, stamp, out):
             precision=precision,
             toolchain=stamp,
             out_dir=out,
+            weights="synthetic",
         )
     )
 

@@ -39,6 +39,7 @@ def compile_rknn(exports, calibration, target, mapping, precision, stamp, out, j
             toolchain=stamp,
             out_dir=out,
             job_runner=job_runner,
+            weights="synthetic",
         )
     )
 

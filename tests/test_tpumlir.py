@@ -103,7 +103,7 @@ def _request(export_dirs, chip, precision, tmp_path, **fields) -> base.CompileRe
         options=fields.pop("options", None) or _options(chip),
         precision=precision,
         out_dir=tmp_path / "out",
-        **fields,
+        **{"weights": "synthetic", **fields},
     )
 
 
@@ -567,12 +567,18 @@ def test_verification_runs_prefill_then_decode_on_held_out_text(exports, tmp_pat
 def test_floors_per_precision():
     for target in ("bm1684x", "bm1688"):
         options = _options(target)
-        assert base.floors_for(tpumlir.FLOORS, options, "f16") == {"min_cosine": 0.9999}
-        assert base.floors_for(tpumlir.FLOORS, options, "int8") == {"min_cosine": 0.999}
-    floors = base.floors_for(tpumlir.FLOORS, _options("bm1684x", min_cosine=0.5), "w4f16")
+        assert base.floors_for(tpumlir.FLOORS, options, "f16", "synthetic") == {
+            "min_cosine": 0.9999
+        }
+        trained = base.floors_for(tpumlir.FLOORS, options, "f16", "trained")
+        assert trained == base.TRAINED_FLOORS["f16"]
+        assert base.floors_for(tpumlir.FLOORS, options, "int8", "trained") == {"min_cosine": 0.999}
+    floors = base.floors_for(
+        tpumlir.FLOORS, _options("bm1684x", min_cosine=0.5), "w4f16", "trained"
+    )
     assert floors == {"min_cosine": 0.5}
     only_f16 = _options("bm1684x", min_cosine={"f16": 0.5})
-    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16") == tpumlir.FLOORS["bf16"]
+    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == tpumlir.FLOORS["bf16"]
 
 
 def _fake_toolchain(exports, tmp_path, perturb):
@@ -620,7 +626,7 @@ def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path)
         return out
 
     request = _fake_toolchain(exports, tmp_path, drift)
-    with pytest.raises(NpuforgeError, match="cosine .* < 0.9999") as failed:
+    with pytest.raises(NpuforgeError, match="cosine .* < 0.9999;") as failed:
         tpumlir.compile(request)
     assert "\n" not in str(failed.value)
     assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ def main(argv=None):
         state_files=args.state,
         out_dir=args.out_dir,
         log_path=args.log,
+        weights=args.weights,
     )
     backend.compile(request)
 

@@ -1,0 +1,75 @@
+"""The shared gate of every backend: floors by precision and by the kind of weights, and
+the one line a failed check prints."""
+
+import numpy as np
+import pytest
+
+from npuforge import backends
+from npuforge.backends import base, qnn, rknn
+from npuforge.errors import NpuforgeError
+from npuforge.registry import model_weights
+
+
+def test_trained_weights_are_gated_on_top1_and_perplexity():
+    options = backends.options_of("qnn", {"htp_arch": 75, "soc_model": 57}, "SM8650")
+    trained = base.floors_for(qnn.FLOORS, options, "fp16", "trained")
+    assert trained == {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005}
+    # Random weights keep the cosine floor their figures were measured against.
+    assert base.floors_for(qnn.FLOORS, options, "fp16", "synthetic") == {"min_cosine": 0.9999}
+    # Quantized precisions have no trained floors yet: the backend's own apply to both.
+    assert base.floors_for(rknn.FLOORS, None, "w8a8", "trained") == rknn.FLOORS["w8a8"]
+
+
+def test_a_target_option_overrides_the_trained_floors():
+    options = backends.options_of(
+        "qnn", {"htp_arch": 75, "soc_model": 57, "min_top1": {"fp16": 0.9}}, "SM8650"
+    )
+    assert base.floors_for(qnn.FLOORS, options, "fp16", "trained")["min_top1"] == 0.9
+
+
+def test_the_registry_says_which_weights_a_model_has():
+    assert model_weights({"source": {"synthetic": {"seed": 0}}}) == "synthetic"
+    assert model_weights({"source": {"pypi": {"package": "p"}}}) == "trained"
+    assert model_weights({"source": {"path": "/x.pth"}}) == "trained"
+
+
+def test_a_request_names_its_weights():
+    with pytest.raises(NpuforgeError, match="weights must be one of trained, synthetic"):
+        base.CompileRequest(
+            exports=(), target="t", options=None, precision="fp16", out_dir="o", weights="random"
+        )
+
+
+def _record(reference, compiled, floors):
+    ids = np.arange(reference.shape[0] + 1) % reference.shape[1]
+    figures = base.fidelity(reference, compiled, ids[1:])
+    return base.verification(
+        figures, floors, schedule=[], text={"source": "t"}, runner="sim", reference="fp32"
+    )
+
+
+def test_a_failed_check_is_one_line_with_every_figure():
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((16, 50)).astype(np.float32) * 4
+    flipped = reference.copy()
+    # Swap the top two logits at one position: top-1 fails, cosine barely moves.
+    top2 = np.argsort(flipped[3])[-2:]
+    flipped[3, top2] = flipped[3, top2[::-1]]
+    floors = {"min_cosine": 0.9, "min_top1": 0.99, "max_perplexity_delta": 0.5}
+    record = _record(reference, flipped, floors)
+    assert not record["passed"] and len(record["failures"]) == 1
+    with pytest.raises(NpuforgeError) as failed:
+        base.check_gate("SM8650", "fp16", record, "try fp16")
+    message = str(failed.value)
+    assert "\n" not in message
+    assert "top-1 agreement 0.9375 < 0.99" in message
+    # The figures that passed are named too, once each.
+    assert message.count("logits cosine") == 1 and "perplexity" in message
+    assert message.endswith("against fp32; try fp16")
+
+
+def test_a_passing_check_raises_nothing():
+    reference = np.random.default_rng(1).standard_normal((8, 20)).astype(np.float32)
+    record = _record(reference, reference.copy(), base.TRAINED_FLOORS["fp16"])
+    assert record["passed"] and record["top1_agreement"] == 1.0
+    base.check_gate("SM8650", "fp16", record, "unused")
