@@ -367,6 +367,50 @@ def container_command(stamp, job_script, spec_path, *, read_only=(), writable=()
     return cmd
 
 
+def _run_reporting(cmd, env, cwd, what: str, *, quiet_s: float = 10.0, out=None):
+    """Run ``cmd``; echo its output to ``out`` (default: stdout, the step's log) as it
+    comes, and after every ``quiet_s`` seconds of silence say that it is still running and
+    for how long (vendor compilers go quiet for minutes). Returns (exit code, output)."""
+    import threading
+    import time
+
+    out = out or sys.stdout
+    lines, last = [], [time.monotonic()]
+    process = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        errors="replace",
+        cwd=cwd,
+    )
+
+    def pump():
+        for line in process.stdout:
+            lines.append(line)
+            last[0] = time.monotonic()
+            out.write(line)
+            out.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    start = time.monotonic()
+    while True:
+        try:
+            process.wait(timeout=min(1.0, quiet_s))
+            break
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if now - last[0] >= quiet_s:
+                tail = lines[-1].strip()[:120] if lines else "no output yet"
+                out.write(f"{what} running for {now - start:.0f} s (last output: {tail})\n")
+                out.flush()
+                last[0] = now
+    reader.join()
+    return process.returncode, "".join(lines)
+
+
 def run_job(
     stamp_path, job_script, spec_path, *, read_only=(), writable=(), env=None, log_path=None
 ):
@@ -383,20 +427,13 @@ def run_job(
         )
         full_env = None
     # Toolkits drop debug files into their working directory: give them a scratch one.
-    with (
-        tempfile.TemporaryFile("w+", encoding="utf-8") as captured,
-        tempfile.TemporaryDirectory(prefix="npuforge-job-") as scratch,
-    ):
-        result = subprocess.run(
-            cmd, stdout=captured, stderr=subprocess.STDOUT, env=full_env, text=True, cwd=scratch
-        )
-        captured.seek(0)
-        output = captured.read()
+    with tempfile.TemporaryDirectory(prefix="npuforge-job-") as scratch:
+        returncode, output = _run_reporting(cmd, full_env, scratch, f"{stamp['backend']} job")
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"$ {' '.join(map(str, cmd))}\n{output}")
-    if result.returncode != 0:
+    if returncode != 0:
         where = f" (full log: {log_path})" if log_path else ""
         raise NpuforgeError(
             f"{stamp['backend']} job failed in the {stamp['runtime']} toolchain: "

@@ -122,6 +122,25 @@ def test_failed_job_raises_its_error_line(tmp_path):
     assert "progress line" in (tmp_path / "job.log").read_text()
 
 
+def test_a_quiet_job_is_reported_while_it_runs():
+    import io
+
+    out = io.StringIO()
+    quiet = "import time; print('quantizing', flush=True); time.sleep(1.2); print('done')"
+    code, output = toolchain._run_reporting(
+        [sys.executable, "-c", quiet], None, None, "toy job", quiet_s=0.3, out=out
+    )
+    assert code == 0 and output == "quantizing\ndone\n"
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "quantizing" and lines[-1] == "done"
+    # The silence between them was filled, each line naming the job, the time and the
+    # last thing it said.
+    beats = lines[1:-1]
+    assert len(beats) >= 2
+    assert all(b.startswith("toy job running for ") for b in beats)
+    assert all(b.endswith("(last output: quantizing)") for b in beats)
+
+
 def test_broken_lock_leaves_no_venv(tmp_path, private_cache):
     make_backend(tmp_path, lock="this-package-does-not-exist-npuforge==0.0.0\n")
     stamp_path = tmp_path / "toolchains" / "toy-native.json"
