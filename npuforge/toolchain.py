@@ -370,45 +370,57 @@ def container_command(stamp, job_script, spec_path, *, read_only=(), writable=()
 def _run_reporting(cmd, env, cwd, what: str, *, quiet_s: float = 10.0, out=None):
     """Run ``cmd``; echo its output to ``out`` (default: stdout, the step's log) as it
     comes, and after every ``quiet_s`` seconds of silence say that it is still running and
-    for how long (vendor compilers go quiet for minutes). Returns (exit code, output)."""
-    import threading
+    for how long (vendor compilers go quiet for minutes). Returns (exit code, output).
+
+    The job writes into a regular file, read back as it grows: vendor compilers copy
+    heap leftovers into their binaries, and a pipe in place of the file changes the heap
+    history, hence the bytes (job_stage.py)."""
     import time
 
     out = out or sys.stdout
-    lines, last = [], [time.monotonic()]
-    process = subprocess.Popen(
-        [str(c) for c in cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-        errors="replace",
-        cwd=cwd,
-    )
+    with (
+        tempfile.TemporaryFile("w+b") as captured,
+        open(f"/dev/fd/{captured.fileno()}", "rb") as reader,
+    ):
+        process = subprocess.Popen(
+            [str(c) for c in cmd], stdout=captured, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
+        chunks, pending = [], b""
+        start = last = time.monotonic()
 
-    def pump():
-        for line in process.stdout:
-            lines.append(line)
-            last[0] = time.monotonic()
-            out.write(line)
+        def echo(data: bytes):
+            nonlocal pending
+            pending += data
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                out.write(line.decode(errors="replace") + "\n")
             out.flush()
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    start = time.monotonic()
-    while True:
-        try:
-            process.wait(timeout=min(1.0, quiet_s))
-            break
-        except subprocess.TimeoutExpired:
+        while True:
+            try:
+                process.wait(timeout=min(1.0, quiet_s))
+                finished = True
+            except subprocess.TimeoutExpired:
+                finished = False
+            data = reader.read()
             now = time.monotonic()
-            if now - last[0] >= quiet_s:
-                tail = lines[-1].strip()[:120] if lines else "no output yet"
-                out.write(f"{what} running for {now - start:.0f} s (last output: {tail})\n")
+            if data:
+                chunks.append(data)
+                echo(data)
+                last = now
+            elif not finished and now - last >= quiet_s:
+                said = b"".join(chunks).strip().rsplit(b"\n", 1)[-1][:120].decode(errors="replace")
+                out.write(
+                    f"{what} running for {now - start:.0f} s (last output: {said or 'none yet'})\n"
+                )
                 out.flush()
-                last[0] = now
-    reader.join()
-    return process.returncode, "".join(lines)
+                last = now
+            if finished:
+                break
+        if pending:
+            out.write(pending.decode(errors="replace") + "\n")
+            out.flush()
+    return process.returncode, b"".join(chunks).decode(errors="replace")
 
 
 def run_job(

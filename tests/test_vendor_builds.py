@@ -109,3 +109,37 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
         return sum(a["bytes"] for a in manifest["artifacts"] if a["role"] == "binary")
 
     assert binary_bytes(quantized) < 0.6 * binary_bytes(compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(QNN_NATIVE is not None, reason=f"qnn native: {QNN_NATIVE}")
+def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm(workflow):
+    """SmolLM2-135M's hidden states reach |x| ~ 2e4; squared in RMSNorm they overflow the
+    HTP's fp16. The fp16-safe export computes the same model without that overflow."""
+    from npuforge.backends.base import TRAINED_FLOORS
+
+    select = ("--config", "model=smollm2-135m", "target=SM8650", "precision=fp16")
+    snakemake(workflow, *select, check=True)
+    bundle = workflow / "results" / "release" / "smollm2-135m" / "SM8650" / "fp16"
+    figures = check_bundle(bundle)["compile"]["verification"]
+    assert figures["floors"] == TRAINED_FLOORS["fp16"] and figures["passed"]
+    assert figures["positions"] >= 32 and figures["nan_inf"] == 0
+    assert figures["top1_agreement"] >= 0.99
+    assert abs(figures["perplexity"]["delta"]) <= 0.005
+    assert figures["reference"].startswith("onnxruntime") and "HTP" in figures["runner"]
+
+    # The same graphs with the plain norm: the check fails (a few positions suffice) with
+    # one line, and no bundle is made.
+    plain = workflow / "plain.yaml"
+    plain.write_text(
+        "targets:\n  SM8650:\n    export: {fp16_fixes: false}\n"
+        "    options: {htp_arch: 75, soc_model: 57, vtcm_mb: 8, verify_steps: 4}\n"
+    )
+    results = workflow / "plain-results"
+    failed = snakemake(workflow, "--configfile", plain, *select, f"results={results}")
+    assert failed.returncode != 0
+    output = failed.stdout + failed.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: SM8650 fp16")]
+    assert len(errors) == 1 and "top-1 agreement" in errors[0], output[-3000:]
+    assert not (results / "release").exists()
