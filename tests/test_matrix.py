@@ -233,7 +233,7 @@ def test_llama_export_options_carry_cache_and_sha():
     assert qnn["sha"] is True and rknn["sha"] is False
     assert qnn["cache_len"] == rknn["cache_len"] == model["context_length"]
     assert qnn["mask_value"] == llama.MASK_VALUE
-    assert "fp16_fixes" not in qnn and "last_token_logits" not in qnn
+    assert qnn["fp16_fixes"] is True and "last_token_logits" not in qnn  # fp16-safe norms
     assert export_key(qnn) != export_key(rknn)  # SHA changes the bytes: its own export
     # RWKV exports keep their option set: the sha choice of a target does not split them
     assert export_variants(MODELS["rwkv7-tiny"], TARGETS["SM8650"]) == export_variants(
