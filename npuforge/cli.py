@@ -45,6 +45,8 @@ def compile_argument_parser(description: str):
     """The arguments of workflow_scripts/compile.py (docs/interfaces.md)."""
     import argparse
 
+    from npuforge.backends.base import WEIGHTS
+
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--backend", required=True, help="onnx, qnn, rknn or tpumlir")
     parser.add_argument(
@@ -70,7 +72,7 @@ def compile_argument_parser(description: str):
     )
     parser.add_argument(
         "--weights",
-        choices=("trained", "synthetic"),
+        choices=WEIGHTS,
         default="trained",
         help="the checkpoint's weights: trained, or synthetic (random); chooses the floors",
     )

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from npuforge.cache import cache_root, entry_lock
@@ -375,8 +376,6 @@ def _run_reporting(cmd, env, cwd, what: str, *, quiet_s: float = 10.0, out=None)
     The job writes into a regular file, read back as it grows: vendor compilers copy
     heap leftovers into their binaries, and a pipe in place of the file changes the heap
     history, hence the bytes (job_stage.py)."""
-    import time
-
     out = out or sys.stdout
     with (
         tempfile.TemporaryFile("w+b") as captured,

@@ -42,10 +42,8 @@ FLOOR_KEYS = ("min_cosine", "min_top1", "max_perplexity_delta")
 # reaches a worst-position cosine of 0.99984, so a 0.9999 floor fails every fp16 build
 # of a trained model. A backend's FLOORS stay the floors of synthetic (random) weights,
 # whose near-uniform logits make top-1 a toss-up between near-ties.
-TRAINED_FLOORS = {
-    "fp16": {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005},
-    "f16": {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005},
-}
+_FLOAT16_TRAINED = {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005}
+TRAINED_FLOORS = {"fp16": _FLOAT16_TRAINED, "f16": _FLOAT16_TRAINED}
 WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
 
