@@ -504,3 +504,46 @@ def test_prefill_and_decode_share_one_context(qnn_stamp, workspace):
     node = onnx.load(out / "chunk1_prefill_ctx.onnx").graph.node[0]
     cache = next(a.s.decode() for a in node.attribute if a.name == "ep_cache_context")
     assert node.op_type == "EPContext" and cache == "chunk1_ctx_qnn.bin"
+
+
+QUANTIZE_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import qnn_job
+args = json.loads(sys.argv[2])
+if args.pop("plain"):
+    qnn_job._quantizer_without_quadratic_scans = lambda: None
+qnn_job.quantize_graph(**args)
+import onnxruntime.quantization.onnx_model as m
+print(m.ONNXModel.replace_input_of_all_nodes.__qualname__)
+"""
+
+
+@pytest.mark.toolchain
+def test_faster_quantizer_lookups_write_the_same_qdq_model(qnn_stamp, workspace, tmp_path):
+    """The job's quicker onnxruntime lookups change the time, never the QDQ bytes."""
+    python = json.loads(qnn_stamp.read_text())["python"]
+    graph = json.loads((workspace["export"] / "export.json").read_text())["graphs"][1]
+    written = {}
+    for plain in (True, False):
+        target = tmp_path / ("plain" if plain else "fast") / "qdq.onnx"
+        args = {
+            "plain": plain,
+            "source": str(workspace["export"] / graph["file"]),
+            "target": str(target),
+            "precision": "a16w8",
+            "samples": qnn_spec.calibration_samples(workspace["calibration"], 1),
+            "inputs": graph["inputs"],
+            "keep_16bit_tensors": [],
+        }
+        run = subprocess.run(
+            [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        # Which replace_input_of_all_nodes ran: onnxruntime's own, or the job's.
+        assert ("_quantizer_without_quadratic_scans" in run.stdout) is not plain
+        written[plain] = {p.name: p.read_bytes() for p in target.parent.iterdir()}
+    assert written[True].keys() == written[False].keys() and "qdq.onnx" in written[True]
+    assert written[True] == written[False]

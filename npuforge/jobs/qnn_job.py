@@ -264,6 +264,41 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
     return rewritten
 
 
+def _quantizer_without_quadratic_scans() -> None:
+    """Give onnxruntime's quantizer two of its lookups without needless full scans.
+
+    For every activation it puts Q/DQ on, ``ONNXModel.replace_input_of_all_nodes``
+    calls a Python function per graph node, and ``find_by_name`` builds a list of
+    every initializer before taking the first: on SmolLM2's 7,099-node graph the
+    two took 89 % of a 48-minute a16w8 quantization (py-spy). Same results, in the
+    same order: only nodes holding the input are visited, and the scan stops at
+    the first match.
+    """
+    import onnxruntime.quantization as package
+    from onnxruntime.quantization import onnx_model, quant_utils
+
+    original = quant_utils.find_by_name
+    if getattr(original, "npuforge_fast", False):
+        return
+
+    def find_by_name(item_name, item_list):
+        return next((item for item in item_list if item.name == item_name), None)
+
+    def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+        for node in self.model.graph.node:
+            if old_input_name in node.input:
+                onnx_model.ONNXModel.replace_node_input(node, old_input_name, new_input_name)
+
+    find_by_name.npuforge_fast = True
+    onnx_model.ONNXModel.replace_input_of_all_nodes = replace_input_of_all_nodes
+    # Modules bind the helper by name at import: rebind it in those loaded so far;
+    # later imports take the new one from quant_utils.
+    quant_utils.find_by_name = find_by_name
+    for name, module in list(sys.modules.items()):
+        if name.startswith(package.__name__) and getattr(module, "find_by_name", None) is original:
+            module.find_by_name = find_by_name
+
+
 def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float, work: Path):
     """Min/max of every activation over the samples, widened by ``margin`` of its span.
 
@@ -317,6 +352,8 @@ def quantize_graph(
         get_qnn_qdq_config,
         qnn_preprocess_model,
     )
+
+    _quantizer_without_quadratic_scans()
 
     # The preprocessor and quantizer leave external-data files beside their
     # outputs: give them a directory of their own.
