@@ -274,7 +274,14 @@ def test_float16_selection_is_checked():
     assert rknn.float16_selection(keep, "fp16") is None
     assert rknn.float16_selection(keep, "w16a16i_dfp") is None
     assert rknn.float16_selection(options(RK3588), "w8a8") is None
+    named = {"except_op_types": ["Conv"], "layers_named": ["down_proj", "layernorm", "down_proj"]}
+    assert rknn.float16_selection(options({**RK3588, "float16": {"w8a8": named}}), "w8a8") == {
+        "except_op_types": ["Conv"],
+        "layers_named": ["down_proj", "layernorm"],
+    }
     bad = [
+        ({"w8a8": {"layers_named": ["down_proj"]}}, "must be {op_types"),
+        ({"w8a8": {"op_types": ["Conv"], "layers_named": []}}, "layers_named must be a non-empty"),
         ({"w8a16": {"op_types": ["Conv"]}}, "must map quantized precisions"),
         ({"w8a8": {"op_types": ["Conv"], "except_op_types": ["Mul"]}}, "must be {op_types"),
         ({"w8a8": {"layers": ["Conv"]}}, "must be {op_types"),
@@ -473,3 +480,28 @@ def test_toolkit_failure_is_one_line(export_dir, toolchain, tmp_path):
     assert "\n" not in message and "rknn job failed in the native toolchain" in message
     assert "sample0_0.npy" in message
     assert not out.exists()
+
+
+def test_float16_tensors_by_op_type_and_by_layer_name(tmp_path):
+    """The hybrid cfg's float16 layers: op-type rule, plus layers named by a substring."""
+    import onnx
+    from onnx import helper
+
+    from npuforge.jobs import rknn_job
+
+    def conv(name, out):
+        return helper.make_node("Conv", ["x", "w"], [out], name=name)
+
+    nodes = [
+        conv("/layers.0/self_attn/q_proj/MatMul#2", "q"),
+        conv("/layers.0/mlp/down_proj/MatMul#2", "down"),
+        conv("/model/layers.0/input_layernorm/Mul_output_0_rs_mm#1", "norm_sum"),
+        helper.make_node("Mul", ["q", "down"], ["product"], name="/layers.0/mul"),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    path = tmp_path / "chunk.model"
+    onnx.save(helper.make_model(graph), str(path))
+    by_type = {"except_op_types": ["Conv"]}
+    assert rknn_job._float16_tensors(str(path), by_type) == (["product"], 4)
+    named = {**by_type, "layers_named": ["down_proj", "layernorm"]}
+    assert rknn_job._float16_tensors(str(path), named) == (["down", "norm_sum", "product"], 4)

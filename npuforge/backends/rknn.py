@@ -55,6 +55,8 @@ COMPILE_BYTES_PER_PARAM = {"fp16": 46.0, "w8a8": 46.0, "w16a16i": 46.0, "w16a16i
 # rknn-toolkit2 2.5.0 ships cp36..cp312 wheels for x86_64 and aarch64 Linux.
 PYTHONS = ((3, 6), (3, 12))
 FLOAT16_KEYS = ("op_types", "except_op_types")
+# Layers also kept float16 whatever their op type: substrings of the toolkit's layer names.
+FLOAT16_NAMED = "layers_named"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +113,8 @@ def float16_selection(options: Options, precision: str) -> dict | None:
     ``float16: {<precision>: {op_types: [...]}}`` keeps the outputs of those
     rknn-toolkit2 op types (as its layer table names them: Conv, exNorm, Mul, ...)
     in float16; ``{except_op_types: [...]}`` keeps everything else in float16.
+    ``layers_named: [...]`` also keeps every layer whose name contains one of
+    the strings (e.g. a trained Llama's ``down_proj``, whose input has outliers).
     """
     table = options.float16
     if table is None or precision == "fp16":
@@ -124,22 +128,32 @@ def float16_selection(options: Options, precision: str) -> dict | None:
     chosen = table.get(precision)
     if chosen is None:
         return None
-    if not isinstance(chosen, dict) or len(chosen) != 1 or next(iter(chosen)) not in FLOAT16_KEYS:
+    rules = [k for k in chosen if k in FLOAT16_KEYS] if isinstance(chosen, dict) else []
+    if len(rules) != 1 or set(chosen) - {*FLOAT16_KEYS, FLOAT16_NAMED}:
         raise NpuforgeError(
             f"option float16.{precision} must be {{op_types: [...]}} or "
-            f"{{except_op_types: [...]}}, got {chosen!r}"
+            f"{{except_op_types: [...]}}, optionally with {{{FLOAT16_NAMED}: [...]}}, "
+            f"got {chosen!r}"
         )
-    key, types = next(iter(chosen.items()))
-    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
-        raise NpuforgeError(
-            f"option float16.{precision}.{key} must be a non-empty list of rknn-toolkit2 op "
-            f"types (e.g. [Conv]), got {types!r}"
-        )
+    selection = {}
+    for key in (rules[0], FLOAT16_NAMED):
+        values = chosen.get(key)
+        if key == FLOAT16_NAMED and values is None:
+            continue
+        if not isinstance(values, list) or not values or not all(
+            isinstance(v, str) and v for v in values
+        ):
+            example = "[Conv]" if key != FLOAT16_NAMED else "[down_proj, layernorm]"
+            raise NpuforgeError(
+                f"option float16.{precision}.{key} must be a non-empty list of strings "
+                f"(e.g. {example}), got {values!r}"
+            )
+        selection[key] = sorted(set(values))
     if options.auto_hybrid:
         raise NpuforgeError(
             "options auto_hybrid and float16 both choose the float16 layers: set only one"
         )
-    return {key: sorted(set(types))}
+    return selection
 
 
 def plan_chunks(n_params: int, precision: str, memory_budget_gb: float) -> int:

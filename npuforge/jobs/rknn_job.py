@@ -206,15 +206,20 @@ def _hybrid_build(rknn, spec, keep):
 
 
 def _float16_tensors(model_path, keep):
-    """(output tensors of the chosen ops in graph order, all op output tensors)."""
+    """(output tensors of the chosen ops in graph order, all op output tensors).
+
+    Chosen: by op type, or by a ``layers_named`` substring of the layer's name.
+    """
     import onnx  # a dependency of rknn-toolkit2
 
     graph = onnx.load(model_path, load_external_data=False).graph
     wanted, unwanted = set(keep.get("op_types", ())), set(keep.get("except_op_types", ()))
+    named = keep.get("layers_named", ())
     names, total = [], 0
     for node in graph.node:
         total += len(node.output)
-        if (node.op_type in wanted) if wanted else (node.op_type not in unwanted):
+        by_type = (node.op_type in wanted) if wanted else (node.op_type not in unwanted)
+        if by_type or any(part in node.name for part in named):
             names.extend(node.output)
     return names, total
 
