@@ -140,8 +140,10 @@ def float16_selection(options: Options, precision: str) -> dict | None:
         values = chosen.get(key)
         if key == FLOAT16_NAMED and values is None:
             continue
-        if not isinstance(values, list) or not values or not all(
-            isinstance(v, str) and v for v in values
+        if (
+            not isinstance(values, list)
+            or not values
+            or not all(isinstance(v, str) and v for v in values)
         ):
             example = "[Conv]" if key != FLOAT16_NAMED else "[down_proj, layernorm]"
             raise NpuforgeError(
