@@ -16,8 +16,31 @@ def test_trained_weights_are_gated_on_top1_and_perplexity():
     assert trained == {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005}
     # Random weights keep the cosine floor their figures were measured against.
     assert base.floors_for(qnn.FLOORS, options, "fp16", "synthetic") == {"min_cosine": 0.9999}
-    # Quantized precisions have no trained floors yet: the backend's own apply to both.
-    assert base.floors_for(rknn.FLOORS, None, "w8a8", "trained") == rknn.FLOORS["w8a8"]
+    # Quantized precisions: task-level floors by weight bit width (the gates).
+    eight = {"min_top1": 0.95, "max_perplexity_delta": 0.03}
+    four = {"min_top1": 0.90, "max_perplexity_delta": 0.10}
+    for precision in ("a16w8", "w8a8", "int8", "w8f16", "w16a16i_dfp"):
+        assert base.floors_for(rknn.FLOORS, None, precision, "trained") == eight
+    for precision in ("a16w4", "w4f16"):
+        assert base.floors_for(rknn.FLOORS, None, precision, "trained") == four
+    assert base.floors_for(rknn.FLOORS, None, "w8a8", "synthetic") == rknn.FLOORS["w8a8"]
+
+
+def test_trained_weights_are_checked_over_at_least_64_positions():
+    options = backends.options_of("qnn", {"htp_arch": 75, "soc_model": 57}, "SM8650")
+    assert options.verify_steps == 32
+
+    def request(weights, opts=options):
+        return base.CompileRequest(
+            exports=(), target="t", options=opts, precision="fp16", out_dir="o", weights=weights
+        )
+
+    assert request("synthetic").verify_positions == 32
+    assert request("trained").verify_positions == base.TRAINED_MIN_POSITIONS == 64
+    more = backends.options_of(
+        "qnn", {"htp_arch": 75, "soc_model": 57, "verify_steps": 96}, "SM8650"
+    )
+    assert request("trained", more).verify_positions == 96
 
 
 def test_a_target_option_overrides_the_trained_floors():

@@ -42,8 +42,18 @@ FLOOR_KEYS = ("min_cosine", "min_top1", "max_perplexity_delta")
 # reaches a worst-position cosine of 0.99984, so a 0.9999 floor fails every fp16 build
 # of a trained model. A backend's FLOORS stay the floors of synthetic (random) weights,
 # whose near-uniform logits make top-1 a toss-up between near-ties.
+# Quantized weights are gated on the task-level figures alone (their cosine is reported).
 _FLOAT16_TRAINED = {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005}
-TRAINED_FLOORS = {"fp16": _FLOAT16_TRAINED, "f16": _FLOAT16_TRAINED}
+_8BIT_TRAINED = {"min_top1": 0.95, "max_perplexity_delta": 0.03}
+_4BIT_TRAINED = {"min_top1": 0.90, "max_perplexity_delta": 0.10}
+TRAINED_FLOORS = {
+    **dict.fromkeys(("fp16", "f16"), _FLOAT16_TRAINED),
+    **dict.fromkeys(("a16w8", "w8a8", "int8", "w8f16", "w16a16i_dfp"), _8BIT_TRAINED),
+    **dict.fromkeys(("a16w4", "w4f16"), _4BIT_TRAINED),
+}
+# Held-out positions a trained model's check covers at least, whatever verify_steps says:
+# fewer leave top-1 agreement too coarse to gate (one miss in 32 is already 0.97).
+TRAINED_MIN_POSITIONS = 64
 WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
 
@@ -82,6 +92,13 @@ class CompileRequest:
         for name, value in paths.items():
             object.__setattr__(self, name, tuple(Path(p) for p in value))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+    @property
+    def verify_positions(self) -> int:
+        """Held-out positions to check: the target's verify_steps, and for trained
+        weights at least TRAINED_MIN_POSITIONS."""
+        steps = int(self.options.verify_steps)
+        return max(steps, TRAINED_MIN_POSITIONS) if self.weights == "trained" else steps
 
 
 # --------------------------------------------------------------------------- options
