@@ -7,6 +7,8 @@ rule calibrate:
         directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
     log:
         f"{RESULTS}/logs/calibrate/{{model}}/{{key}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/calibrate/{{model}}/{{key}}.tsv"
     conda:
         MAIN_ENV
     threads: 1

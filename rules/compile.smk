@@ -22,6 +22,8 @@ rule compile:
         directory(f"{RESULTS}/compile/{{model}}/{{target}}/{{precision}}"),
     log:
         f"{RESULTS}/logs/compile/{{model}}/{{target}}/{{precision}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/compile/{{model}}/{{target}}/{{precision}}.tsv"
     conda:
         MAIN_ENV
     threads: 1

@@ -6,6 +6,8 @@ rule export:
         directory(f"{RESULTS}/export/{{model}}/{{key}}"),
     log:
         f"{RESULTS}/logs/export/{{model}}/{{key}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/export/{{model}}/{{key}}.tsv"
     conda:
         MAIN_ENV
     threads: 1

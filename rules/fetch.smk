@@ -4,6 +4,8 @@ rule fetch:
         record=f"{RESULTS}/models/{{model}}/checkpoint.{{fmt}}.json",
     log:
         f"{RESULTS}/logs/fetch/{{model}}.{{fmt}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/fetch/{{model}}.{{fmt}}.tsv"
     wildcard_constraints:
         fmt="pth|safetensors|gguf",
     conda:
@@ -26,6 +28,8 @@ rule fetch_tree:
         record=f"{RESULTS}/models/{{model}}/checkpoint.hf.json",
     log:
         f"{RESULTS}/logs/fetch/{{model}}.hf.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/fetch/{{model}}.hf.tsv"
     conda:
         MAIN_ENV
     threads: 1
@@ -49,6 +53,8 @@ rule dequantize:
         record=f"{RESULTS}/models/{{model}}/dequantized.hf.json",
     log:
         f"{RESULTS}/logs/dequantize/{{model}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/dequantize/{{model}}.tsv"
     conda:
         MAIN_ENV
     threads: 1

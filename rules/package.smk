@@ -9,6 +9,8 @@ rule package:
         tarball=f"{RESULTS}/release/{{model}}/{{target}}/{{precision}}.tar.gz",
     log:
         f"{RESULTS}/logs/package/{{model}}/{{target}}/{{precision}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/package/{{model}}/{{target}}/{{precision}}.tsv"
     conda:
         MAIN_ENV
     threads: 1

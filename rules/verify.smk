@@ -9,6 +9,8 @@ rule verify_onnx:
         f"{RESULTS}/verify/{{model}}/{{key}}.json",
     log:
         f"{RESULTS}/logs/verify/{{model}}/{{key}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/verify/{{model}}/{{key}}.tsv"
     conda:
         MAIN_ENV
     threads: 1
