@@ -44,6 +44,27 @@ def log(message: str) -> None:
     print(f"[qnn_job] {message}", flush=True)
 
 
+class Progress:
+    """Counts steps of a long phase and logs how far along it is, every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 10.0, bound: bool = False):
+        self.what, self.every = what, every
+        self.total = f"up to {total}" if bound else str(total)
+        self.done, self.started = 0, time.monotonic()
+        self._last = self.started
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            log(f"{self.what}: {self.done} of {self.total} after {now - self.started:.0f} s")
+
+
+# The quantizer's Q/DQ insertion in progress (set by quantize_graph, counted per tensor).
+_QDQ_PROGRESS: Progress | None = None
+
+
 # --------------------------------------------------------------------------- QNN EP
 
 
@@ -154,6 +175,7 @@ def _raw_reader(samples: list, inputs: list):
     import numpy as np
 
     specs = {item["name"]: item for item in inputs}
+    progress = Progress("calibration samples run", len(samples))
 
     class RawReader:
         def __init__(self):
@@ -163,6 +185,7 @@ def _raw_reader(samples: list, inputs: list):
             sample = next(self._iter, None)
             if sample is None:
                 return None
+            progress.step()
             feed = {}
             for name, path in sample.items():
                 item = specs[name]
@@ -272,7 +295,7 @@ def _quantizer_without_quadratic_scans() -> None:
     every initializer before taking the first: on SmolLM2's 7,099-node graph the
     two took 89 % of a 48-minute a16w8 quantization (py-spy). Same results, in the
     same order: only nodes holding the input are visited, and the scan stops at
-    the first match.
+    the first match. The replacement also counts the tensors done, for the log.
     """
     import onnxruntime.quantization as package
     from onnxruntime.quantization import onnx_model, quant_utils
@@ -285,6 +308,8 @@ def _quantizer_without_quadratic_scans() -> None:
         return next((item for item in item_list if item.name == item_name), None)
 
     def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+        if _QDQ_PROGRESS is not None:
+            _QDQ_PROGRESS.step()
         for node in self.model.graph.node:
             if old_input_name in node.input:
                 onnx_model.ONNXModel.replace_node_input(node, old_input_name, new_input_name)
@@ -409,7 +434,15 @@ def quantize_graph(
         op_types_to_quantize=list(op_types) if op_types else None,
     )
     config.use_external_data_format = True
-    quantize(model_path, target, config)
+    global _QDQ_PROGRESS
+    # One replace_input_of_all_nodes call per quantized tensor: activations and weights.
+    tensors = len(model.graph.initializer) + sum(len(n.output) for n in model.graph.node)
+    _QDQ_PROGRESS = Progress("tensors given Q/DQ", tensors, bound=True)
+    log(f"inserting Q/DQ into {len(model.graph.node)} nodes")
+    try:
+        quantize(model_path, target, config)
+    finally:
+        _QDQ_PROGRESS = None
     return {
         "source": source,
         "qdq_model": target,
