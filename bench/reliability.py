@@ -1,13 +1,16 @@
 """Reliability figures: kill-and-resume trials and the bad-input table.
 
     python bench/reliability.py                 # 12 onnx + 8 RK3588 kill trials, bad inputs
+    python bench/reliability.py --onnx 18 --rknn 2   # N = 20 with two vendor builds
     python bench/reliability.py --onnx 4 --rknn 0
 
 Each trial SIGKILLs a whole build (rwkv7-tiny) at a seeded random moment, runs
 ``snakemake --unlock`` and the same command again, and compares every release
 file with a clean build (tests/crash_trials.py). The bad inputs are the cases of
-tests/test_bad_inputs.py, each required to stop with one npuforge line, a non-zero
-exit and nothing under results/.
+tests/test_bad_inputs.py (found while planning, and found by jobs: hostile checkpoints,
+the hub offline, a full disk, a file size limit, a crashing or out-of-memory vendor
+compiler), each required to stop with a non-zero exit, npuforge's line first (problem and
+fix, no traceback) and nothing under results/ that a later run would trust.
 """
 
 import argparse
@@ -50,13 +53,20 @@ def main():
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
     tried = sum(counts.values())
     print()
-    print(f"faults injected (SIGKILL)      {len(trials)}")
-    print(f"resumed to completion          {sum(t.resumed for t in trials)}")
-    print(f"release bytes identical        {sum(t.identical for t in trials)}")
-    print(f"leftover temporaries found     {sum(len(t.leftovers) for t in trials)}")
-    print(f"bad inputs tried               {tried}")
-    print(f"clean one-line errors          {counts.get('passed', 0)}"
-          f" (skipped: {counts.get('skipped', 0)}, failed: {counts.get('failed', 0)})")  # fmt: skip
+    survived = sum(t.resumed for t in trials)
+    rows = [
+        ("faults injected (SIGKILL of the whole build)", len(trials)),
+        ("survived (the same command completed)", survived),
+        ("release bytes identical to a clean build", sum(t.identical for t in trials)),
+        ("leftover temporaries found after resuming", sum(len(t.leftovers) for t in trials)),
+        ("bad inputs tried", tried),
+        ("clean one-line errors, nothing left to trust", counts.get("passed", 0)),
+        ("bad inputs not run here (skipped)", counts.get("skipped", 0)),
+        ("bad inputs failing their checks", counts.get("failed", 0) + counts.get("error", 0)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:{width}}  {value:>4}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Shared plumbing for the step CLIs in workflow_scripts/."""
 
 import errno
+import os
 import sys
 
 from npuforge.errors import NpuforgeError
@@ -16,6 +17,36 @@ OS_FIXES = {
 }
 
 
+# The workflow's shell prefix opens this descriptor on the terminal's stderr before the
+# rule sends the step's output to its log: a failed step's line then reaches the user
+# first, ahead of Snakemake's report of the failed job.
+ERROR_FD = "NPUFORGE_ERROR_FD"
+
+
+def fail(message: str) -> int:
+    """Say ``message`` on stderr (the step's log) and on the terminal; return exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    fd = os.environ.get(ERROR_FD, "")
+    if fd.isdigit():
+        try:
+            os.write(int(fd), f"npuforge: {message}\n".encode(errors="replace"))
+        except OSError:
+            pass  # not opened (a step run by hand): the log has the line
+    return 2
+
+
+def _os_refusal(err: BaseException) -> OSError | None:
+    """The OSError with a known fix in ``err`` or the exceptions it was raised from."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in OS_FIXES:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def run_cli(main, argv=None) -> int:
     """Run ``main(argv)``; turn an NpuforgeError, an operating-system refusal (disk full,
     file size limit, read-only filesystem) or running out of memory into one line on
@@ -23,21 +54,19 @@ def run_cli(main, argv=None) -> int:
     try:
         main(argv)
     except NpuforgeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        if err.errno not in OS_FIXES:
-            raise
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"error: {where}{err.strerror}; {OS_FIXES[err.errno]}", file=sys.stderr)
-        return 2
+        return fail(str(err))
     except MemoryError:
-        print(
-            "error: out of memory; give the job more memory (targets.yaml compile_mem_mb for "
-            "compile jobs, a larger machine, or fewer parallel jobs with --cores)",
-            file=sys.stderr,
+        return fail(
+            "out of memory; give the job more memory (targets.yaml compile_mem_mb for "
+            "compile jobs, a larger machine, or fewer parallel jobs with --cores)"
         )
-        return 2
+    except Exception as err:
+        # A library may wrap the refusal (torch.save raises RuntimeError after ENOSPC).
+        refused = _os_refusal(err)
+        if refused is None:
+            raise
+        where = f"{refused.filename}: " if refused.filename else ""
+        return fail(f"{where}{refused.strerror}; {OS_FIXES[refused.errno]}")
     return 0
 
 

@@ -73,6 +73,11 @@ def fetch(source: dict, expected_sha256: str | None, out, record, family: str = 
                 f"{_describe(source)} gives a {'directory' if tmp.is_dir() else 'file'}, but the "
                 f"model's format wants a {'directory' if tree else 'file'}; fix format or source"
             )
+        if not tree and tmp.stat().st_size == 0:
+            raise NpuforgeError(
+                f"{_describe(source)} is empty (0 bytes), not a checkpoint; the file was not kept "
+                "(point the source at the real checkpoint, or fetch it again)"
+            )
         actual = tree_sha256(tmp) if tree else sha256_file(tmp)
         if expected_sha256 and actual != expected_sha256.lower():
             raise NpuforgeError(

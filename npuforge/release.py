@@ -168,7 +168,7 @@ def build_bundle(
                 "id": model_id,
                 "family": model_entry.get("family"),
                 "version": model_entry.get("version"),
-                "source": model_entry.get("source"),
+                "source": portable_source(model_entry.get("source")),
                 "sha256": record["sha256"],
                 "context_length": model_entry.get("context_length"),
                 "tokenizer": model_entry.get("tokenizer"),
@@ -215,6 +215,14 @@ def build_bundle(
         arcroot = f"{model_id}-{target_id}-{precision}"
         write_deterministic_tarball(tmp, tarball, arcroot)
     return manifest
+
+
+def portable_source(source):
+    """The model's source as any machine would write it: a ``path:`` source names a file
+    of the building machine, so only its name is kept (its sha256 identifies the bytes)."""
+    if isinstance(source, dict) and isinstance(source.get("path"), str):
+        return {**source, "path": Path(source["path"]).name}
+    return source
 
 
 def source_date_epoch() -> int:

@@ -445,9 +445,51 @@ def run_job(
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"$ {' '.join(map(str, cmd))}\n{output}")
     if returncode != 0:
-        where = f" (full log: {log_path})" if log_path else ""
-        raise NpuforgeError(
-            f"{stamp['backend']} job failed in the {stamp['runtime']} toolchain: "
-            f"{_last_error_line(output)}{where}"
-        )
+        raise NpuforgeError(job_failure(stamp, returncode, output, log_path))
     return output
+
+
+# What a job that ran out of memory prints (Python, glibc's loader, C++ toolkits).
+OUT_OF_MEMORY = (
+    "MemoryError",
+    "Cannot allocate memory",
+    "failed to map segment from shared object",
+    "std::bad_alloc",
+    "out of memory",
+)
+
+
+def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str:
+    """One line for a failed toolchain job: out of memory, a crash (killed by a signal:
+    a negative exit code natively, 128 + the signal from a container engine), or an error."""
+    import signal
+
+    what = f"{stamp['backend']} job"
+    where = f" (full log: {log_path})" if log_path else ""
+    number = -returncode if returncode < 0 else 0
+    if stamp.get("runtime") in CONTAINER_RUNTIMES and 128 < returncode < 128 + 65:
+        number = returncode - 128
+    try:
+        name = signal.Signals(number).name if number else None
+    except ValueError:
+        name = f"signal {number}"
+    memory = [line.strip() for line in output.splitlines() if any(m in line for m in OUT_OF_MEMORY)]
+    if memory or name == "SIGKILL":
+        said = memory[-1] if memory else "killed by SIGKILL, as the kernel's OOM killer does"
+        return (
+            f"{what} ran out of memory in the {stamp['runtime']} toolchain ({said}); raise the "
+            "target's compile_mem_mb in targets.yaml (the memory its compile jobs reserve) and "
+            f"build where that much is free, or run fewer jobs at once (--cores){where}"
+        )
+    if name:
+        return (
+            f"{what} crashed ({name if name.startswith('signal') else f'signal {name}'}) in the "
+            f"{stamp['runtime']} toolchain after: {_last_line(output)}; the vendor compiler "
+            f"failed, not npuforge: rerun once, and report it with the log if it repeats{where}"
+        )
+    return f"{what} failed in the {stamp['runtime']} toolchain: {_last_error_line(output)}{where}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "no output"

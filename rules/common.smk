@@ -11,12 +11,17 @@ sys.path.insert(0, workflow.basedir)
 # Step CLIs run under the interpreter that runs Snakemake (the .venv of setup.sh)
 # and import npuforge from this checkout, whatever the calling shell's PATH; with
 # --sdm conda the rule's conda environment provides python instead.
+# Each rule sends its step's output to its log; descriptor 3 stays on the terminal, so a
+# failed step's one-line error is the first thing the user reads (npuforge.cli).
 _checkout = shlex.quote(workflow.basedir)
+_errors = "exec 3>&2; export NPUFORGE_ERROR_FD=3; "
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
-    shell.prefix(f'export PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
+    shell.prefix(f'{_errors}export PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
 else:
     _bin = shlex.quote(str(Path(sys.executable).parent))
-    shell.prefix(f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
+    shell.prefix(
+        f'{_errors}export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; '
+    )
 
 from npuforge.errors import NpuforgeError
 from npuforge.matrix import (

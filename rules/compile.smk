@@ -3,7 +3,8 @@ rule prepare_toolchain:
     output:
         f"{RESULTS}/toolchains/{{backend}}-{{runtime}}.json",
     log:
-        f"{RESULTS}/logs/toolchains/{{backend}}-{{runtime}}.log",
+        step=f"{RESULTS}/logs/toolchains/{{backend}}-{{runtime}}.log",
+        build=f"{RESULTS}/logs/toolchains/{{backend}}-{{runtime}}.build.log",
     conda:
         MAIN_ENV
     threads: 1
@@ -12,7 +13,7 @@ rule prepare_toolchain:
     params:
         options=lambda w: as_json(toolchain_options(w.backend)),
     shell:
-        "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --target-options {params.options:q} --out {output} > {log} 2>&1"
+        "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --target-options {params.options:q} --out {output} --log {log.build} > {log.step} 2>&1"
 
 
 rule compile:

@@ -1,11 +1,17 @@
 """Bad input found while planning: one `npuforge:` line naming the problem and the fix,
 a non-zero exit, no traceback, and nothing written under results/."""
 
+import hashlib
+import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake
+from conftest import REPO, script_env, snakemake
 
 TINY = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
 
@@ -212,3 +218,294 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workflow / "results").exists()
     assert not os.path.exists(tmp_path / "afile" / "results")
+
+
+# --------------------------------------------------------------------------- found by jobs
+# Bad inputs only a job can find (the checkpoint's bytes, the hub, the machine's limits,
+# a crashing vendor compiler). Each runs the workflow for real and asserts the same three
+# things: a non-zero exit, the first error line the user sees is npuforge's own (ahead of
+# Snakemake's report of the failed job) and names the problem and the fix, no traceback;
+# and nothing under results/ that a later run would trust beyond the outputs of the jobs
+# that did succeed (listed per case), no temporaries.
+
+MARKER = "PWNED"
+ERROR_LINE = re.compile(r"^(npuforge:|error:|Error\b|Traceback|\w*(Error|Exception)\b)")
+
+
+def synthetic_pth(path, **dims):
+    from npuforge.models.rwkv.synthetic import write_synthetic_checkpoint
+
+    spec = {"version": 7, "layers": 2, "embed": 64, "vocab": 65536, "head_size": 32, "seed": 1}
+    write_synthetic_checkpoint(path, **(spec | dims), fmt="pth")
+    return path.read_bytes()
+
+
+def small_pth(path):
+    import torch
+
+    torch.save({"emb.weight": torch.zeros(16, 8), "head.weight": torch.zeros(16, 8)}, path)
+    return path.read_bytes()
+
+
+class Payload:
+    """Runs a shell command when unpickled: a hostile checkpoint's code."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def hostile_pth(path, marker):
+    import torch
+
+    torch.save({"emb.weight": torch.zeros(16, 8), "evil": Payload(f"touch {marker}")}, path)
+    return path.read_bytes()
+
+
+def safetensors_bytes(header: dict | bytes, data: bytes) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+def tiny_gguf(path, architecture):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def path_model(tmp, file, data: bytes, fmt="pth", **fields):
+    """A registry entry whose path: source ``tmp/file`` holds ``data``."""
+    (tmp / file).write_bytes(data)
+    return tiny(
+        source={"path": str(tmp / file)},
+        sha256=hashlib.sha256(data).hexdigest(),
+        format=fmt,
+        **fields,
+    )
+
+
+def fake_toolchain(cache: Path, job: str) -> Path:
+    """A native rknn toolchain in ``cache`` whose python answers versions.py and runs the
+    compile job as ``job`` (a shell snippet; "$@" is the real command line)."""
+    from npuforge import toolchain
+
+    venv = cache / "toolchains" / f"rknn-native-{toolchain.env_hash('rknn')}"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".complete").write_text("ok\n")
+    python = venv / "bin" / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        'case "$1" in\n'
+        '  *versions.py) echo \'{"rknn-toolkit2": "2.5.0"}\' ;;\n'
+        f"  *) {job} ;;\n"
+        "esac\n"
+    )
+    python.chmod(0o755)
+    return venv
+
+
+def real_rknn_python():
+    from npuforge import toolchain
+
+    python = toolchain.native_venv("rknn") / "bin" / "python"
+    return python if python.is_file() else None
+
+
+RUN_CASES = {
+    "missing path source": {
+        "model": lambda tmp: tiny(source={"path": f"{tmp}/nope.pth"}, sha256="a" * 64),
+        "says": "does not exist",
+    },
+    "truncated pth": {
+        "model": lambda tmp: path_model(tmp, "t.pth", synthetic_pth(tmp / "full.pth")[:400_000]),
+        "says": "not a zip-format torch checkpoint",
+    },
+    "garbage bytes named pth": {
+        "model": lambda tmp: path_model(tmp, "g.pth", os.urandom(4096)),
+        "says": "not a zip-format torch checkpoint",
+    },
+    "zero-length checkpoint": {
+        "model": lambda tmp: path_model(tmp, "z.pth", b""),
+        "says": "is empty",
+    },
+    "pickle with code": {
+        "model": lambda tmp: path_model(tmp, "e.pth", hostile_pth(tmp / "evil.pth", tmp / MARKER)),
+        "says": "refused to load, the pickle carries code",
+        "not_says": "weights_only=False",
+    },
+    "safetensors header not JSON": {
+        "model": lambda tmp: path_model(
+            tmp, "h.safetensors", safetensors_bytes(b"{not json", b"\0" * 64), "safetensors"
+        ),
+        "says": "unreadable safetensors header",
+    },
+    "safetensors offsets past the end": {
+        "model": lambda tmp: path_model(
+            tmp,
+            "o.safetensors",
+            safetensors_bytes(
+                {"emb.weight": {"dtype": "F32", "shape": [16, 8], "data_offsets": [0, 512]}},
+                b"\0" * 64,
+            ),
+            "safetensors",
+        ),
+        "says": "lies outside the file",
+    },
+    "checkpoint dims disagree with arch": {
+        "model": lambda tmp: path_model(
+            tmp,
+            "d.pth",
+            synthetic_pth(tmp / "d0.pth"),
+            arch={"layers": 3, "embed": 64, "vocab": 65536, "head_size": 32},
+        ),
+        "says": "arch",
+    },
+    "gguf of an unsupported architecture": {
+        "model": lambda tmp: {
+            "family": "llama",
+            "source": {"path": f"{tmp}/m.gguf"},
+            "sha256": hashlib.sha256(tiny_gguf(tmp / "m.gguf", "mamba")).hexdigest(),
+            "format": "gguf",
+            "context_length": 64,
+            "tokenizer": "none",
+            "arch": {"layers": 1, "embed": 4, "vocab": 8},
+        },
+        "says": "mamba",
+    },
+    "hf offline with nothing cached": {
+        "model": lambda tmp: tiny(
+            source={"hf": {"repo": "o/n", "filename": "m.pth", "revision": "1" * 40}},
+            sha256="a" * 64,
+        ),
+        "env": lambda tmp: {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf_home")},
+        "says": "unset HF_HUB_OFFLINE",
+        "empty": ["hf_home"],
+    },
+    "file size limit hit mid-write": {
+        "model": lambda tmp: TINY,
+        "ulimit": "ulimit -f 5000",
+        "says": "File too large; raise the file size limit (ulimit -f)",
+    },
+    "disk full": {
+        "model": lambda tmp: TINY,
+        "tmpfs_mb": 6,
+        "says": "No space left on device; free disk space",
+    },
+    "vendor compiler crashes": {
+        "model": lambda tmp: TINY,
+        "target": "RK3588",
+        "toolchain": 'echo "rknn compiler: building graph"; kill -SEGV $$',
+        "says": "crashed (signal SIGSEGV)",
+    },
+    "vendor job out of memory (ulimit -v)": {
+        "model": lambda tmp: TINY,
+        "target": "RK3588",
+        "toolchain": 'ulimit -v 400000; exec "@RKNN@" "$@"',
+        "needs_rknn": True,
+        "says": "compile_mem_mb",
+    },
+}
+
+
+def first_error_line(output: str) -> str:
+    for line in output.splitlines():
+        if ERROR_LINE.match(line):
+            return line
+    return ""
+
+
+def finished_outputs(log: str, results: Path) -> set:
+    """The outputs of the jobs Snakemake reports as finished, relative to ``results``."""
+    outputs = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:\n)", log):
+        job = re.search(r"^\s+jobid: (\d+)$", block, re.M)
+        out = re.search(r"^\s+output: (.*)$", block, re.M)
+        if job and out:
+            outputs[job.group(1)] = out.group(1).split(", ")
+    done = set(re.findall(r"Finished jobid: (\d+)", log))
+    prefix = f"{results}/"
+    return {
+        path.removeprefix(prefix)
+        for job in done
+        for path in outputs.get(job, [])
+        if path.startswith(prefix)
+    }
+
+
+def untrusted(found: set, finished: set) -> set:
+    """Files under results/ that no finished job wrote (a directory output covers its files)."""
+    return {f for f in found if not any(f == d or f.startswith(f"{d}/") for d in finished)}
+
+
+def results_files(results: Path) -> set:
+    return {
+        p.relative_to(results).as_posix()
+        for p in results.rglob("*")
+        if p.is_file() and "logs" not in p.relative_to(results).parts
+    }
+
+
+@pytest.mark.parametrize("name", sorted(RUN_CASES))
+def test_bad_input_found_by_a_job_is_one_clean_line(name, workflow, tmp_path):
+    case = RUN_CASES[name]
+    tmp = tmp_path / "inputs"
+    tmp.mkdir()
+    extra = {"HOME": str(tmp_path / "home"), "NPUFORGE_CACHE": str(tmp_path / "cache")}
+    if case.get("needs_rknn"):
+        rknn = real_rknn_python()
+        if rknn is None:
+            pytest.skip("needs the native rknn toolchain venv (prepare it with RK3588 builds)")
+        case = {**case, "toolchain": case["toolchain"].replace("@RKNN@", str(rknn))}
+    if "toolchain" in case:
+        fake_toolchain(tmp_path / "cache", case["toolchain"])
+    model = case["model"](tmp)
+    (workflow / "extra.yaml").write_text(yaml.safe_dump({"models": {"bad": model}}))
+    results = tmp_path / "results"
+    mounted = False
+    if case.get("tmpfs_mb"):
+        results.mkdir()
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={case['tmpfs_mb']}m", "tmpfs", str(results)],
+            capture_output=True,
+            text=True,
+        )
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
+        mounted = True
+    env = script_env(**extra, **(case["env"](tmp) if "env" in case else {}))
+    command = [
+        sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "extra.yaml",
+        "--config", "model=bad", f"target={case.get('target', 'onnx')}", f"results={results}",
+    ]  # fmt: skip
+    if "ulimit" in case:
+        command = ["bash", "-c", f'{case["ulimit"]}; exec "$@"', "bash", *command]
+    try:
+        result = subprocess.run(command, cwd=workflow, env=env, capture_output=True, text=True)
+        found = results_files(results)
+        temporaries = [str(p) for p in results.rglob("*.tmp")]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(results)], check=True)
+    output = result.stderr + result.stdout
+    assert result.returncode != 0, output[-3000:]
+    line = first_error_line(result.stderr)
+    assert line.startswith("npuforge: "), output[-4000:]
+    assert case["says"] in line, line
+    assert not case.get("not_says") or case["not_says"] not in line, line
+    assert "Traceback" not in output, output[-4000:]
+    assert temporaries == []
+    assert untrusted(found, finished_outputs(result.stderr, results)) == set(), found
+    assert not any(f.startswith(("compile/", "release/")) for f in found), found
+    for directory in case.get("empty", []):
+        assert not any(p.is_file() for p in (tmp / directory).rglob("*")), directory
+    assert not (tmp / MARKER).exists(), "the pickle's code ran"
