@@ -32,6 +32,8 @@ from npuforge.settings import check_calibration_text, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
+# Shipped in every bundle as run.py: a change to it repackages every bundle.
+BUNDLE_RUNNER = f"{workflow.basedir}/npuforge/bundle_runner.py"
 
 
 def _stop(err):
@@ -229,6 +231,7 @@ def package_inputs(wildcards):
         "tokenizer": tokenizer_path(model) or [],
         "fetch_record": fetch_record(model),
         "dequantize_record": dequantize_record(model),
+        "runner": BUNDLE_RUNNER,
     }
 
 
