@@ -214,6 +214,8 @@ def build_bundle(
             "export_verification": [read_json(path) for path in export_verification],
             "files": files,
             "runner": runner_record(target_entry.get("backend")),
+            # QNN: whether Genie (genie-t2t-run) can run the binaries, and why not.
+            "genie": _genie(target_entry.get("backend"), exports),
             "npuforge": {"version": npuforge.__version__, "git": git_provenance()},
             "environment": {
                 "python": ".".join(map(str, sys.version_info[:3])),
@@ -230,6 +232,14 @@ def build_bundle(
         arcroot = f"{model_id}-{target_id}-{precision}"
         write_deterministic_tarball(tmp, tarball, arcroot)
     return manifest
+
+
+def _genie(backend, exports):
+    if backend != "qnn":
+        return None
+    from npuforge.backends.qnn_genie import genie_record
+
+    return genie_record([e["meta"] for e in exports])
 
 
 def runner_record(backend) -> dict:

@@ -344,6 +344,12 @@ def test_qnn_fp16_bundle_on_the_htp_simulator_matches_fp32_greedy(sm8650_fp16, t
           "tok/s on the x86 HTP simulator")  # fmt: skip
     assert agreed >= 16, (report["tokens"], expected)
     assert report["tokens_per_s"] > 0 and report["time_to_first_token_s"] > 0
+    genie = json.loads((bundle / "manifest.json").read_text())["genie"]
+    assert (
+        genie["config"] is None
+        and genie["differences"]
+        and not (bundle / "genie_config.json").exists()
+    )
 
 
 @pytest.mark.slow

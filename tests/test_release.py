@@ -105,6 +105,7 @@ def test_bundle_contents_and_checksums(tmp_path):
     # The generation runner ships as it is in the library; the manifest says how to run it.
     assert (out / "run.py").read_bytes() == release.RUNNER_SOURCE.read_bytes()
     assert manifest["runner"]["file"] == "run.py" and manifest["runner"]["runtime"]
+    assert manifest["genie"] is None  # recorded for QNN bundles only
     sums = (out / "SHA256SUMS").read_text().splitlines()
     assert [line.split("  ")[1] for line in sums] == sorted(n for n in names if n != "SHA256SUMS")
     for line in sums:
