@@ -684,6 +684,17 @@ class Generator:
 # --------------------------------------------------------------------------- main
 
 
+def peak_rss_mb():
+    """The process's peak resident memory (MB), where the platform reports it."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux and Android report kilobytes, macOS bytes.
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="run.py", description="Generate text with this npuforge release bundle."
@@ -764,6 +775,7 @@ def run(args):
         },
         "load_seconds": round(load_seconds, 6),
         **result,
+        "peak_rss_mb": peak_rss_mb(),
         "text": text,
     }
     return report

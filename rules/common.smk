@@ -178,6 +178,19 @@ def release_outputs():
     return outputs
 
 
+def bench_outputs(wildcards):
+    # Evaluated while the DAG is built, so a missing adb or device stops the run
+    # before any job (build or benchmark) starts.
+    from npuforge.bench import device_problem
+
+    problem = device_problem(config.get("device"))
+    if problem:
+        _stop(problem)
+    return [
+        f"{RESULTS}/bench/{b.model}/{b.target}/{b.precision}.json" for b in PLAN.builds
+    ]
+
+
 def heldout_path(model):
     return f"{RESULTS}/heldout/{model}.json"
 

@@ -26,7 +26,9 @@ from npuforge import bundle_runner, toolchain
 RUNNER = REPO / "npuforge" / "bundle_runner.py"
 PROMPT = "The quick brown fox"
 # Lazy imports run.py may make (a runtime, the HF tokenizer, stdlib helpers).
-LAZY_ALLOWED = {"onnxruntime", "onnxruntime_qnn", "tokenizers", "rknnlite", "importlib", "mmap"}
+LAZY_ALLOWED = {
+    "onnxruntime", "onnxruntime_qnn", "tokenizers", "rknnlite", "importlib", "mmap", "resource"
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- unit
@@ -228,7 +230,7 @@ def test_onnx_bundle_generates_the_fp32_greedy_tokens_from_its_tarball(demo_onnx
     expected = reference_greedy(demo_onnx, bundle, report["prompt_ids"], 32)
     assert report["tokens"] == expected
     assert report["tokens_per_s"] > 0 and report["time_to_first_token_s"] > 0
-    assert report["stopped"] == "max_new_tokens"
+    assert report["stopped"] == "max_new_tokens" and report["peak_rss_mb"] > 0
 
     # Seeded sampling repeats itself; another seed (almost surely) does not.
     sampled = ["--prompt", PROMPT, "--max-new-tokens", 16, "--temperature", "1.0", "--top-p", 0.9]
