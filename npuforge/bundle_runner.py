@@ -364,9 +364,13 @@ class Chain:
         self.meta, self.sessions, self.embedding = meta, sessions, embedding
         self.batch = int(meta.get("batch", 1))
         self.tokens_per_call = int(meta.get("tokens_per_call", 1))
+        self.reset()
+
+    def reset(self):
+        """Zero every recurrent state (or KV cache): a new sequence."""
         self.state = {
             spec["name"]: np.zeros(spec["shape"], dtype=spec["dtype"])
-            for graph in meta["graphs"]
+            for graph in self.meta["graphs"]
             for spec in graph["inputs"]
             if spec["role"] == "state"
         }
@@ -621,6 +625,8 @@ class Generator:
 
         Whole prefill calls while at least T tokens remain, then decode calls."""
         decode, prefill = self.chains["decode"], self.chains.get("prefill")
+        for chain in self.chains.values():
+            chain.reset()
         position, logits, calls = 0, None, {"prefill": 0, "decode": 0}
         if prefill is not None:
             t = prefill.tokens_per_call

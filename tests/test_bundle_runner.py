@@ -373,3 +373,59 @@ def test_qnn_bundle_refuses_a_qairt_older_than_its_binaries(sm8650_fp16, tmp_pat
     manifest_path.write_text(json.dumps(manifest))
     line = one_line_error(run_bundle(bundle, "--prompt", PROMPT, python=toolchain_python(stamp)))
     assert "QAIRT 2.99.0.300101000000" in line and f"QAIRT {found}" in line
+
+
+class SumSession:
+    """A stand-in graph: state_out = state + the call's token ids summed; the logits put
+    their maximum at (state_out mod V), one row per token of the call."""
+
+    def __init__(self, vocab, tokens):
+        self.vocab, self.tokens = vocab, tokens
+
+    def run(self, names, feeds):
+        state = feeds["state"] + feeds["tokens"].sum()
+        logits = np.zeros((1, self.tokens, self.vocab), dtype=np.float32)
+        logits[0, :, int(state[0]) % self.vocab] = 1.0
+        return [{"logits": logits, "state_out": state}[n] for n in names]
+
+
+def sum_meta(variant, tokens, vocab=50):
+    return {
+        "family": "rwkv", "variant": variant, "tokens_per_call": tokens, "batch": 1,
+        "vocab_size": vocab,
+        "graphs": [{
+            "file": f"{variant}.onnx",
+            "inputs": [
+                {"name": "tokens", "role": "tokens", "shape": [1, tokens], "dtype": "int64"},
+                {"name": "state", "role": "state", "shape": [1], "dtype": "float32",
+                 "output": "state_out"},
+            ],
+            "outputs": [
+                {"name": "logits", "role": "logits", "shape": [1, tokens, vocab],
+                 "dtype": "float32"},
+                {"name": "state_out", "role": "state", "shape": [1], "dtype": "float32"},
+            ],
+        }],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("prompt_length", [3, 4, 10])
+def test_prompt_runs_whole_prefill_calls_then_decode_with_the_state_handed_over(prompt_length):
+    generator = bundle_runner.Generator.__new__(bundle_runner.Generator)
+    generator.chains = {
+        "decode": bundle_runner.Chain(sum_meta("decode", 1), [SumSession(50, 1)], None),
+        "prefill": bundle_runner.Chain(sum_meta("prefill", 4), [SumSession(50, 4)], None),
+    }
+    generator.limit = None
+    ids = list(range(1, prompt_length + 1))
+    logits, position, calls = generator.prompt(ids)
+    assert calls == {"prefill": prompt_length // 4, "decode": prompt_length % 4}
+    assert position == prompt_length
+    assert int(np.argmax(logits)) == sum(ids) % 50  # every prompt token reached the state
+    result = generator.generate(ids, 3, 0.0, 1.0, 0, set())
+    # Each generated token is the running sum mod 50, fed back through decode calls.
+    total, expected = sum(ids), []
+    for _ in range(3):
+        expected.append(total % 50)
+        total += expected[-1]
+    assert result["tokens"] == expected
