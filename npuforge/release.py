@@ -126,6 +126,25 @@ def _embedding_file(export_dir: Path, meta: dict) -> Path | None:
     return path
 
 
+def _genie(backend, exports):
+    if backend != "qnn":
+        return None
+    from npuforge.backends.qnn_genie import genie_record
+
+    return genie_record([e["meta"] for e in exports])
+
+
+def runner_record(backend) -> dict:
+    """manifest.json ``runner``: how to generate text with the bundle (run.py)."""
+    return {
+        "file": RUNNER,
+        "usage": f"python {RUNNER} --prompt TEXT [--max-new-tokens N] [--temperature T --top-p P "
+        "--seed S] [--report FILE]",
+        "requires": "Python 3.10+ and numpy; the runtime below",
+        "runtime": RUNNER_RUNTIMES.get(backend),
+    }
+
+
 def build_bundle(
     *,
     model_id: str,
@@ -232,25 +251,6 @@ def build_bundle(
         arcroot = f"{model_id}-{target_id}-{precision}"
         write_deterministic_tarball(tmp, tarball, arcroot)
     return manifest
-
-
-def _genie(backend, exports):
-    if backend != "qnn":
-        return None
-    from npuforge.backends.qnn_genie import genie_record
-
-    return genie_record([e["meta"] for e in exports])
-
-
-def runner_record(backend) -> dict:
-    """manifest.json ``runner``: how to generate text with the bundle (run.py)."""
-    return {
-        "file": RUNNER,
-        "usage": f"python {RUNNER} --prompt TEXT [--max-new-tokens N] [--temperature T --top-p P "
-        "--seed S] [--report FILE]",
-        "requires": "Python 3.10+ and numpy; the runtime below",
-        "runtime": RUNNER_RUNTIMES.get(backend),
-    }
 
 
 def source_date_epoch() -> int:
