@@ -16,13 +16,16 @@ include: "rules/verify.smk"
 include: "rules/calibrate.smk"
 include: "rules/compile.smk"
 include: "rules/package.smk"
+include: "rules/bench.smk"
 
 
-# Downloads need the network and the user's HF cache: on a cluster they run on the
-# submit host.
+# Downloads need the network and the user's HF cache, benchmarks the device attached
+# to this machine: on a cluster they run on the submit host.
 localrules:
     fetch,
     fetch_tree,
+    bench,
+    bench_device,
 
 
 rule all:

@@ -5,6 +5,7 @@ Layout (the public contract, see README):
     results/release/{model}/{target}/{precision}/
         <binaries listed in compile.json>  tokenizer (tokenizer.bin | tokenizer.json, none
         for a model registered with tokenizer: none)  [embedding.bin]
+        run.py (npuforge/bundle_runner.py: generates text from the bundle alone)
         manifest.json  SHA256SUMS
     results/release/{model}/{target}/{precision}.tar.gz
 
@@ -28,6 +29,16 @@ from npuforge.fileio import atomic_path, dumps_json, read_json, sha256_file
 
 MANIFEST = "manifest.json"
 SUMS = "SHA256SUMS"
+# The generation runner every bundle ships (standard library + numpy; see its docstring).
+RUNNER_SOURCE = Path(__file__).resolve().parent / "bundle_runner.py"
+RUNNER = "run.py"
+# The runtime each backend's bundle runs on, as run.py drives it.
+RUNNER_RUNTIMES = {
+    "onnx": "onnxruntime (CPU)",
+    "qnn": "onnxruntime + onnxruntime-qnn (QNN EP, EPContext models; x86: the HTP simulator)",
+    "rknn": "rknnlite (rknn-toolkit-lite2) on an aarch64 Rockchip board",
+    "tpumlir": "none yet: run.py stops and names TPU-MLIR's runtime",
+}
 MANIFEST_FORMAT = 1
 # inputs.tokenizer of a model registered with tokenizer: none (no invented vocabulary).
 NO_TOKENIZER = (
@@ -115,6 +126,25 @@ def _embedding_file(export_dir: Path, meta: dict) -> Path | None:
     return path
 
 
+def _genie(backend, exports):
+    if backend != "qnn":
+        return None
+    from npuforge.backends.qnn_genie import genie_record
+
+    return genie_record([e["meta"] for e in exports])
+
+
+def runner_record(backend) -> dict:
+    """manifest.json ``runner``: how to generate text with the bundle (run.py)."""
+    return {
+        "file": RUNNER,
+        "usage": f"python {RUNNER} --prompt TEXT [--max-new-tokens N] [--temperature T --top-p P "
+        "--seed S] [--report FILE]",
+        "requires": "Python 3.10+ and numpy; the runtime below",
+        "runtime": RUNNER_RUNTIMES.get(backend),
+    }
+
+
 def build_bundle(
     *,
     model_id: str,
@@ -154,6 +184,9 @@ def build_bundle(
             sources[name] = src
         if tokenizer is not None:
             sources[tokenizer.name] = tokenizer
+        if RUNNER in sources:
+            raise NpuforgeError(f"{compile_json} lists a file named {RUNNER}, the runner's name")
+        sources[RUNNER] = RUNNER_SOURCE
         for export_dir, summary in zip(export_dirs, exports, strict=True):
             embedding = _embedding_file(Path(export_dir), summary["meta"])
             if embedding is not None:
@@ -199,6 +232,9 @@ def build_bundle(
             "verification": compiled.get("verification"),
             "export_verification": [read_json(path) for path in export_verification],
             "files": files,
+            "runner": runner_record(target_entry.get("backend")),
+            # QNN: whether Genie (genie-t2t-run) can run the binaries, and why not.
+            "genie": _genie(target_entry.get("backend"), exports),
             "npuforge": {"version": npuforge.__version__, "git": git_provenance()},
             "environment": {
                 "python": ".".join(map(str, sys.version_info[:3])),

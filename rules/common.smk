@@ -37,6 +37,8 @@ from npuforge.settings import check_calibration_text, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
+# Shipped in every bundle as run.py: a change to it repackages every bundle.
+BUNDLE_RUNNER = f"{workflow.basedir}/npuforge/bundle_runner.py"
 
 
 def _stop(err):
@@ -181,6 +183,19 @@ def release_outputs():
     return outputs
 
 
+def bench_outputs(wildcards):
+    # Evaluated while the DAG is built, so a missing adb or device stops the run
+    # before any job (build or benchmark) starts.
+    from npuforge.bench import device_problem
+
+    problem = device_problem(config.get("device"))
+    if problem:
+        _stop(problem)
+    return [
+        f"{RESULTS}/bench/{b.model}/{b.target}/{b.precision}.json" for b in PLAN.builds
+    ]
+
+
 def heldout_path(model):
     return f"{RESULTS}/heldout/{model}.json"
 
@@ -234,6 +249,7 @@ def package_inputs(wildcards):
         "tokenizer": tokenizer_path(model) or [],
         "fetch_record": fetch_record(model),
         "dequantize_record": dequantize_record(model),
+        "runner": BUNDLE_RUNNER,
     }
 
 

@@ -10,6 +10,7 @@ import tarfile
 
 import pytest
 
+from npuforge import release
 from npuforge.errors import NpuforgeError
 from npuforge.release import build_bundle, write_deterministic_tarball
 
@@ -98,8 +99,13 @@ def test_bundle_contents_and_checksums(tmp_path):
         "chunk1.onnx",
         "embedding.bin",
         "manifest.json",
+        "run.py",
         "tokenizer.bin",
     ]
+    # The generation runner ships as it is in the library; the manifest says how to run it.
+    assert (out / "run.py").read_bytes() == release.RUNNER_SOURCE.read_bytes()
+    assert manifest["runner"]["file"] == "run.py" and manifest["runner"]["runtime"]
+    assert manifest["genie"] is None  # recorded for QNN bundles only
     sums = (out / "SHA256SUMS").read_text().splitlines()
     assert [line.split("  ")[1] for line in sums] == sorted(n for n in names if n != "SHA256SUMS")
     for line in sums:
