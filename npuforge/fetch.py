@@ -108,13 +108,24 @@ def _wrong_kind(local: Path) -> str:
     )
 
 
+# The workflow engine marks a finished directory output with this file (Snakemake
+# writes it after the job): not part of the checkpoint.
+ENGINE_MARKERS = frozenset({".snakemake_timestamp"})
+
+
+def tree_files(directory) -> list[Path]:
+    """A directory's files, sorted by relative path, without the engine's markers."""
+    directory = Path(directory)
+    return sorted(
+        (p for p in directory.rglob("*") if p.is_file() and p.name not in ENGINE_MARKERS),
+        key=lambda p: p.relative_to(directory).as_posix(),
+    )
+
+
 def tree_sha256(directory) -> str:
     """sha256 of a directory's SHA256SUMS-style listing, sorted by relative path."""
     directory = Path(directory)
-    files = sorted(
-        (p for p in directory.rglob("*") if p.is_file()),
-        key=lambda p: p.relative_to(directory).as_posix(),
-    )
+    files = tree_files(directory)
     listing = "".join(f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n" for p in files)
     return hashlib.sha256(listing.encode()).hexdigest()
 

@@ -33,11 +33,11 @@ def _file_key(path: Path) -> list:
 
 def stat_key(path) -> list:
     """What changes when a file or any file of a directory tree is written or replaced."""
+    from npuforge.fetch import tree_files
+
     path = Path(path)
     if path.is_dir():
-        return sorted(
-            [p.relative_to(path).as_posix(), *_file_key(p)] for p in path.rglob("*") if p.is_file()
-        )
+        return [[p.relative_to(path).as_posix(), *_file_key(p)] for p in tree_files(path)]
     return _file_key(path)
 
 

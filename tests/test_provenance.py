@@ -166,3 +166,20 @@ def test_hashes_are_reused_until_the_file_changes(tmp_path, monkeypatch):
     with pytest.raises(NpuforgeError, match="now hashes to"):
         provenance.check_path_source("m", path, expected)
     assert len(calls) == 2
+
+
+def test_the_engines_directory_marker_is_not_part_of_a_fetched_tree(tmp_path):
+    """Snakemake writes .snakemake_timestamp into a directory output after its job; a
+    fetched model directory must hash the same with it, or the second run refuses it."""
+    from npuforge.provenance import current_sha256
+
+    model_dir = tmp_path / "checkpoint.hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    before = tree_sha256(model_dir)
+    assert current_sha256(model_dir) == before
+    (model_dir / ".snakemake_timestamp").write_text("")
+    assert tree_sha256(model_dir) == before
+    assert current_sha256(model_dir) == before
+    (model_dir / "config.json").write_text('{"a": 1}')
+    assert current_sha256(model_dir) != before
