@@ -540,7 +540,7 @@ def quantize_graph(
 # --------------------------------------------------------------------------- verification
 
 
-def run_calls(sessions: dict, chains: dict, calls: list) -> dict:
+def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run") -> dict:
     """Run a chunked recurrent graph chain call by call, as the spec's ``calls`` list them.
 
     ``chains[variant][i]`` lists chunk i's inputs ({name, role, output?, shape, dtype})
@@ -555,6 +555,7 @@ def run_calls(sessions: dict, chains: dict, calls: list) -> dict:
 
     state = {}
     collected = {}
+    progress = Progress(what, len(calls))
     for call in calls:
         chain, chain_sessions = chains[call["variant"]], sessions[call["variant"]]
         with np.load(call["feeds"]) as stored:
@@ -591,6 +592,7 @@ def run_calls(sessions: dict, chains: dict, calls: list) -> dict:
                     # [B, T, ...] -> T rows: prefill and decode calls line up token by token.
                     rows = np.moveaxis(value, 1, 0).reshape(value.shape[1], -1)
                     collected.setdefault(out["name"], []).append(rows)
+        progress.step()
     return {name: np.concatenate(arrays) for name, arrays in collected.items()}
 
 
@@ -800,7 +802,7 @@ def verify(spec: dict, result: dict) -> dict:
     chains = verify_spec["chains"]
     calls = verify_spec["calls"]
     reference = {v: [cpu_session(ort, c["source"]) for c in chain] for v, chain in chains.items()}
-    ref_out = run_calls(reference, chains, calls)
+    ref_out = run_calls(reference, chains, calls, "CPU fp32 calls run")
     del reference
     started = time.monotonic()
     twins = {chunk["index"]: chunk.get("simulate_ctx") or {} for chunk in result["chunks"]}
@@ -813,7 +815,7 @@ def verify(spec: dict, result: dict) -> dict:
         ]
         for variant, chain in chains.items()
     }
-    sim_out = run_calls(compiled, chains, calls)
+    sim_out = run_calls(compiled, chains, calls, "HTP simulator calls run")
     seconds = time.monotonic() - started
     arrays = {f"reference/{k}": v for k, v in ref_out.items()}
     arrays.update({f"compiled/{k}": v.astype(np.float32) for k, v in sim_out.items()})
