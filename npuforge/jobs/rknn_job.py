@@ -29,18 +29,38 @@ import re
 import sys
 import time
 
+# Where progress lines go while fd 1 is the toolkit's log: the job's own stdout,
+# which the caller echoes into the step log as the job runs.
+_PROGRESS = {"fd": None, "last": 0.0}
+
+
+def say(message, every=0.0):
+    """One progress line on the job's stdout (at most one per ``every`` seconds)."""
+    now = time.monotonic()
+    if now - _PROGRESS["last"] < every:
+        return
+    _PROGRESS["last"] = now
+    line = f"[rknn_job] {message}\n".encode()
+    fd = _PROGRESS["fd"]
+    if fd is None:
+        sys.stdout.flush()
+        fd = 1
+    os.write(fd, line)
+
 
 def _redirect_fds(path):
     """Send fd 1 and 2 (where the toolkit's C++ part logs) to ``path``; return a restorer."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
+    _PROGRESS["fd"] = saved[0]
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)
 
     def restore():
+        _PROGRESS["fd"] = None
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
@@ -261,8 +281,10 @@ def main(spec_path):
         if hybrid and spec.get("auto_hybrid_cos_thresh") is not None:
             config["auto_hybrid_cos_thresh"] = float(spec["auto_hybrid_cos_thresh"])
         _check(rknn.config(**config), "config")
+        say(f"loading {os.path.basename(spec['onnx'])}")
         _check(rknn.load_onnx(model=spec["onnx"]), "load_onnx")
         keep = spec.get("float16") if quantize else None
+        say("building (quantizing)" if quantize else "building")
         if keep:
             rknn, hybrid_record = _hybrid_build(rknn, spec, keep)
         else:
@@ -271,6 +293,7 @@ def main(spec_path):
                 "build",
             )
             hybrid_record = None
+        say(f"built in {time.monotonic() - start:.0f} s; exporting")
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         timings["compile_s"] = round(time.monotonic() - start, 2)
         # The real paths are read only now: nothing before the export saw them.
@@ -295,6 +318,7 @@ def main(spec_path):
                 for i in spec["inputs"]:
                     value = state[i["name"]] if i["role"] == "state" else feeds[i["name"]][step]
                     inputs.append(np.ascontiguousarray(value, dtype=np.float32))
+                say(f"simulator step {step + 1} of {verify['steps']}", every=10.0)
                 outputs = rknn.inference(inputs=inputs, data_format=formats)
                 if outputs is None:
                     raise RuntimeError(f"simulator inference failed at step {step}")
