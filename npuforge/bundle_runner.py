@@ -250,6 +250,16 @@ class HfTokenizer:
         return self._tokenizer.decode([int(i) for i in ids]).encode("utf-8")
 
 
+class IdsOnly:
+    """--prompt-ids where the bundle's tokenizer cannot load: ids in, ids out, no text."""
+
+    kind = "none loaded (ids only)"
+    stop_ids = []
+
+    def decode_bytes(self, ids):
+        return b""
+
+
 class ByteTokenizer:
     """No tokenizer in the bundle (tokenizer: none): UTF-8 bytes folded into the
     vocabulary, as npuforge's calibration and verification runs tokenize for such models."""
@@ -740,7 +750,12 @@ def run(args):
     runtime = runtime_class(bundle, args.threads)
     if not args.no_check:
         bundle.check_files()
-    tokenizer = load_tokenizer(bundle)
+    try:
+        tokenizer = load_tokenizer(bundle)
+    except RunnerError:
+        if args.prompt_ids is None:
+            raise
+        tokenizer = IdsOnly()  # e.g. a toolchain env without the tokenizers package
     vocab = int(bundle.exports["decode"]["vocab_size"])
     if args.prompt_ids is not None:
         try:
