@@ -447,11 +447,16 @@ def untrusted(found: set, finished: set) -> set:
     return {f for f in found if not any(f == d or f.startswith(f"{d}/") for d in finished)}
 
 
+# Bookkeeping no later job reads: per-job logs, and the wall time / memory records
+# (Snakemake's benchmark files) of jobs that finished.
+BOOKKEEPING = ("logs", "benchmarks")
+
+
 def results_files(results: Path) -> set:
     return {
         p.relative_to(results).as_posix()
         for p in results.rglob("*")
-        if p.is_file() and "logs" not in p.relative_to(results).parts
+        if p.is_file() and p.relative_to(results).parts[0] not in BOOKKEEPING
     }
 
 
