@@ -26,23 +26,6 @@ def test_trained_weights_are_gated_on_top1_and_perplexity():
     assert base.floors_for(rknn.FLOORS, None, "w8a8", "synthetic") == rknn.FLOORS["w8a8"]
 
 
-def test_trained_weights_are_checked_over_at_least_64_positions():
-    options = backends.options_of("qnn", {"htp_arch": 75, "soc_model": 57}, "SM8650")
-    assert options.verify_steps == 32
-
-    def request(weights, opts=options):
-        return base.CompileRequest(
-            exports=(), target="t", options=opts, precision="fp16", out_dir="o", weights=weights
-        )
-
-    assert request("synthetic").verify_positions == 32
-    assert request("trained").verify_positions == base.TRAINED_MIN_POSITIONS == 64
-    more = backends.options_of(
-        "qnn", {"htp_arch": 75, "soc_model": 57, "verify_steps": 96}, "SM8650"
-    )
-    assert request("trained", more).verify_positions == 96
-
-
 def test_a_target_option_overrides_the_trained_floors():
     options = backends.options_of(
         "qnn", {"htp_arch": 75, "soc_model": 57, "min_top1": {"fp16": 0.9}}, "SM8650"

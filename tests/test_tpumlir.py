@@ -572,11 +572,14 @@ def test_floors_per_precision():
         }
         trained = base.floors_for(tpumlir.FLOORS, options, "f16", "trained")
         assert trained == base.TRAINED_FLOORS["f16"]
-        assert base.floors_for(tpumlir.FLOORS, options, "int8", "trained") == {"min_cosine": 0.999}
+        assert base.floors_for(tpumlir.FLOORS, options, "int8", "trained") == {
+            "min_top1": 0.95,
+            "max_perplexity_delta": 0.03,
+        }
     floors = base.floors_for(
         tpumlir.FLOORS, _options("bm1684x", min_cosine=0.5), "w4f16", "trained"
     )
-    assert floors == {"min_cosine": 0.5}
+    assert floors == {"min_top1": 0.90, "max_perplexity_delta": 0.10, "min_cosine": 0.5}
     only_f16 = _options("bm1684x", min_cosine={"f16": 0.5})
     assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == tpumlir.FLOORS["bf16"]
 

@@ -51,9 +51,6 @@ TRAINED_FLOORS = {
     **dict.fromkeys(("a16w8", "w8a8", "int8", "w8f16", "w16a16i_dfp"), _8BIT_TRAINED),
     **dict.fromkeys(("a16w4", "w4f16"), _4BIT_TRAINED),
 }
-# Held-out positions a trained model's check covers at least, whatever verify_steps says:
-# fewer leave top-1 agreement too coarse to gate (one miss in 32 is already 0.97).
-TRAINED_MIN_POSITIONS = 64
 WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
 
@@ -95,10 +92,8 @@ class CompileRequest:
 
     @property
     def verify_positions(self) -> int:
-        """Held-out positions to check: the target's verify_steps, and for trained
-        weights at least TRAINED_MIN_POSITIONS."""
-        steps = int(self.options.verify_steps)
-        return max(steps, TRAINED_MIN_POSITIONS) if self.weights == "trained" else steps
+        """Held-out positions to check: the target's verify_steps."""
+        return int(self.options.verify_steps)
 
 
 # --------------------------------------------------------------------------- options
