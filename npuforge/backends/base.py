@@ -90,11 +90,6 @@ class CompileRequest:
             object.__setattr__(self, name, tuple(Path(p) for p in value))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
 
-    @property
-    def verify_positions(self) -> int:
-        """Held-out positions to check: the target's verify_steps."""
-        return int(self.options.verify_steps)
-
 
 # --------------------------------------------------------------------------- options
 

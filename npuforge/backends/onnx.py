@@ -71,7 +71,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         raise NpuforgeError(
             f"{export.dir} holds {export.meta.get('dtype')} graphs; the reference needs dtype fp32"
         )
-    schedule = base.verification_schedule({"decode": export}, request.verify_positions)
+    schedule = base.verification_schedule({"decode": export}, request.options.verify_steps)
     text = base.verification_tokens(len(schedule), export, request.heldout)
     ids = np.asarray(text["ids"][: len(schedule)], dtype=np.int64)[None, :]
     expected, reference = family_reference(export.meta["family"], request.checkpoint, ids)

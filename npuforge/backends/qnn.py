@@ -189,7 +189,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         raise NpuforgeError(f"{precision} needs calibration samples: pass --calibration DIR")
     exports = base.load_exports(request.exports, NAME)
     stamp = base.read_toolchain(request.toolchain, NAME)
-    schedule = base.verification_schedule(exports, request.verify_positions)
+    schedule = base.verification_schedule(exports, options.verify_steps)
     out_dir = request.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.work-", dir=out_dir.parent))

@@ -274,7 +274,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             "(targets.yaml chunk_policy) or raise memory_budget_gb"
         )
     exports = {"decode": export}
-    schedule = base.verification_schedule(exports, request.verify_positions)
+    schedule = base.verification_schedule(exports, options.verify_steps)
     steps = len(schedule)
     text = base.verification_tokens(
         steps, export, request.heldout, [calibration_dir] if calibration_dir else []

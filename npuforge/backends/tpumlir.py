@@ -387,7 +387,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     exports = base.load_exports(request.exports, NAME)
     check_exports(exports)
     stamp = base.read_toolchain(request.toolchain, NAME)
-    schedule = base.verification_schedule(exports, request.verify_positions)
+    schedule = base.verification_schedule(exports, options.verify_steps)
     positions = schedule[-1].position + schedule[-1].tokens
     text = base.verification_tokens(
         positions, exports["decode"], request.heldout, list(request.calibrations)
