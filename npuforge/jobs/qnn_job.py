@@ -294,8 +294,8 @@ def _quantizer_without_quadratic_scans() -> None:
     calls a Python function per graph node, and ``find_by_name`` builds a list of
     every initializer before taking the first: on SmolLM2's 7,099-node graph the
     two took 89 % of the Q/DQ insertion (py-spy). Same results, in the same order:
-    only nodes holding the input are visited, and the scan stops at the first
-    match. The replacement also counts the tensors done, for the log. The min/max
+    only nodes holding the input are visited (an index of consumers), and the scan
+    stops at the first match. The replacement also counts the tensors done, for the log. The min/max
     calibrator's graph augmentation is rebuilt in one pass (see below).
     """
     import onnxruntime.quantization as package
@@ -311,9 +311,11 @@ def _quantizer_without_quadratic_scans() -> None:
     def replace_input_of_all_nodes(self, old_input_name, new_input_name):
         if _QDQ_PROGRESS is not None:
             _QDQ_PROGRESS.step()
-        for node in self.model.graph.node:
+        consumers = _consumers(self)
+        for node in consumers.pop(old_input_name, []):
             if old_input_name in node.input:
                 onnx_model.ONNXModel.replace_node_input(node, old_input_name, new_input_name)
+                consumers.setdefault(new_input_name, []).append(node)
 
     find_by_name.npuforge_fast = True
     onnx_model.ONNXModel.replace_input_of_all_nodes = replace_input_of_all_nodes
@@ -324,6 +326,20 @@ def _quantizer_without_quadratic_scans() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith(package.__name__) and getattr(module, "find_by_name", None) is original:
             module.find_by_name = find_by_name
+
+
+def _consumers(model) -> dict:
+    """Input name -> the nodes of ``model`` (an ``ONNXModel``) that read it: indexed once,
+    then only the nodes appended since (the quantizer appends Q/DQ nodes, removes none)."""
+    nodes = model.model.graph.node
+    index, seen = getattr(model, "_npuforge_consumers", ({}, 0))
+    if len(nodes) < seen:
+        index, seen = {}, 0
+    for node in nodes[seen:]:
+        for name in dict.fromkeys(node.input):
+            index.setdefault(name, []).append(node)
+    model._npuforge_consumers = (index, len(nodes))
+    return index
 
 
 def _augment_graph_in_one_pass(self) -> None:
