@@ -294,9 +294,10 @@ def _quantizer_without_quadratic_scans() -> None:
     calls a Python function per graph node, and ``find_by_name`` builds a list of
     every initializer before taking the first: on SmolLM2's 7,099-node graph the
     two took 89 % of the Q/DQ insertion (py-spy). Same results, in the same order:
-    only nodes holding the input are visited (an index of consumers), and the scan
-    stops at the first match. The replacement also counts the tensors done, for the log. The min/max
-    calibrator's graph augmentation is rebuilt in one pass (see below).
+    only nodes holding the input are visited (an index of consumers), and names are
+    looked up in an index of each long list. The replacement also counts the tensors
+    done, for the log. The min/max calibrator's graph augmentation is rebuilt in one
+    pass (see below).
     """
     import onnxruntime.quantization as package
     from onnxruntime.quantization import calibrate, onnx_model, quant_utils
@@ -306,7 +307,18 @@ def _quantizer_without_quadratic_scans() -> None:
         return
 
     def find_by_name(item_name, item_list):
-        return next((item for item in item_list if item.name == item_name), None)
+        if len(item_list) < 64:
+            return next((item for item in item_list if item.name == item_name), None)
+        # A name index per list (the graph's initializers, which only grow), kept up
+        # to date with the items appended since; the list is held so its id stays its own.
+        entry = _NAME_INDEX.get(id(item_list))
+        if entry is None or entry[0] is not item_list or len(item_list) < entry[2]:
+            entry = _NAME_INDEX[id(item_list)] = [item_list, {}, 0]
+        index = entry[1]
+        for item in item_list[entry[2] :]:
+            index.setdefault(item.name, item)
+        entry[2] = len(item_list)
+        return index.get(item_name)
 
     def replace_input_of_all_nodes(self, old_input_name, new_input_name):
         if _QDQ_PROGRESS is not None:
@@ -326,6 +338,9 @@ def _quantizer_without_quadratic_scans() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith(package.__name__) and getattr(module, "find_by_name", None) is original:
             module.find_by_name = find_by_name
+
+
+_NAME_INDEX = {}
 
 
 def _consumers(model) -> dict:
@@ -536,6 +551,7 @@ def quantize_graph(
         quantize(model_path, target, config)
     finally:
         _QDQ_PROGRESS = None
+        _NAME_INDEX.clear()
     return {
         "source": source,
         "qdq_model": target,
