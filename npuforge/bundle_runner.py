@@ -165,6 +165,14 @@ class Bundle:
         entry = self.exports[variant].get("embedding")
         return read_embedding_bin(self.dir / entry["file"]) if entry else None
 
+    def start_state(self, variant="decode"):
+        """A llama export's kv_prefix rows by cache name (``kv_prefix.bin``), or {}."""
+        prefix = self.exports[variant].get("kv_prefix")
+        if not prefix:
+            return {}
+        rows = np.fromfile(self.dir / prefix["file"], dtype="<f4")
+        return {"tokens": list(prefix["tokens"]), "rows": rows, **prefix}
+
 
 def read_embedding_bin(path):
     """embedding.bin (docs/interfaces.md): 32-byte header, then rows x cols, memory-mapped."""
@@ -314,6 +322,8 @@ def llama_inputs(meta, position):
     """The llama graphs' host inputs of a call whose first token is at ``position``, by role
     (docs/interfaces.md): additive mask, RoPE rows (HF layout), one-hot cache slots."""
     tokens, cache_len, batch = meta["tokens_per_call"], meta["cache_len"], meta["batch"]
+    # Positions count the prompt's tokens; a kv_prefix sits in the slots before them.
+    position += len(meta.get("kv_prefix", {}).get("tokens", ()))
     if position + tokens > cache_len:
         raise RunnerError(f"position {position} + {tokens} is past the {cache_len}-slot cache")
     mask_value = meta.get("options", {}).get("mask_value", -64.0)
@@ -334,8 +344,11 @@ def llama_inputs(meta, position):
 
 
 def context_limit(meta):
-    """Positions the graphs can hold: the llama KV cache; RWKV state has no limit."""
-    return int(meta["cache_len"]) if meta.get("family") == "llama" else None
+    """Positions the graphs can hold: the llama KV cache (less its kv_prefix slots); RWKV
+    state has no limit."""
+    if meta.get("family") != "llama":
+        return None
+    return int(meta["cache_len"]) - len(meta.get("kv_prefix", {}).get("tokens", ()))
 
 
 def host_feeds(meta, graph, tokens, position, embedding):
@@ -370,20 +383,31 @@ class Chain:
     """One variant's chunks: hidden outputs feed the next chunk, state outputs feed the
     next call, logits come out of the last chunk."""
 
-    def __init__(self, meta, sessions, embedding):
+    def __init__(self, meta, sessions, embedding, prefix=None):
         self.meta, self.sessions, self.embedding = meta, sessions, embedding
+        self.prefix = prefix or {}
         self.batch = int(meta.get("batch", 1))
         self.tokens_per_call = int(meta.get("tokens_per_call", 1))
         self.reset()
 
     def reset(self):
-        """Zero every recurrent state (or KV cache): a new sequence."""
+        """Every recurrent state (or KV cache) to its start: zeros, with the kv_prefix
+        rows (``kv_prefix.bin``: per cache, slots 0..P-1) in place."""
         self.state = {
             spec["name"]: np.zeros(spec["shape"], dtype=spec["dtype"])
             for graph in self.meta["graphs"]
             for spec in graph["inputs"]
             if spec["role"] == "state"
         }
+        offset, slots = 0, int(self.prefix.get("slots", 0))
+        for name in self.prefix.get("tensors", ()):
+            if name not in self.state:
+                raise RunnerError(f"kv_prefix names {name!r}, which no graph takes; rebuild")
+            batch, heads, _, width = self.state[name].shape
+            size = batch * heads * slots * width
+            block = self.prefix["rows"][offset : offset + size]
+            self.state[name][:, :, :slots, :] = block.reshape(batch, heads, slots, width)
+            offset += size
 
     def take_state(self, other):
         """The prefill -> decode hand-off: the same state names, cast to this chain's dtype."""
@@ -627,7 +651,9 @@ class Generator:
             sessions = [
                 runtime.session(bundle.graph_file(variant, i)) for i in range(len(meta["graphs"]))
             ]
-            self.chains[variant] = Chain(meta, sessions, bundle.embedding(variant))
+            self.chains[variant] = Chain(
+                meta, sessions, bundle.embedding(variant), bundle.start_state(variant)
+            )
         self.limit = context_limit(bundle.exports["decode"])
 
     def prompt(self, ids):

@@ -221,11 +221,15 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
         runs[f"{build.target} verify_steps"] = targets[build.target]["options"].get(
             "verify_steps", 0
         )
+        # A kv_prefix takes the first slots of the cache.
+        prefix = len((model.get("export") or {}).get("kv_prefix") or ())
+        room = int(model["context_length"]) - prefix
         for name, steps in runs.items():
-            if int(steps) > int(model["context_length"]):
+            if int(steps) > room:
+                held = f", less its {prefix} kv_prefix slots" if prefix else ""
                 raise NpuforgeError(
                     f"model {build.model}: {name} ({steps}) exceeds its context_length "
-                    f"({model['context_length']}), the graphs' KV cache; lower it"
+                    f"({model['context_length']}{held}), the graphs' KV cache; lower it"
                 )
         spec = targets[build.target]["precisions"].get(build.precision) or {}
         if not spec.get("calibrate"):
@@ -234,12 +238,12 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
         steps = int((config.get("calibration") or {}).get("steps", 0))
         for options in export_variants(model, targets[build.target]):
             tokens = steps * options["tokens"]
-            if tokens > int(model["context_length"]):
+            if tokens > room:
                 raise NpuforgeError(
                     f"model {build.model}: calibration.steps ({steps}) calls of the "
                     f"{options['variant']} graphs ({options['tokens']} tokens each) overrun its "
                     f"context_length ({model['context_length']}), the graphs' KV cache; lower "
-                    f"calibration.steps to {int(model['context_length']) // options['tokens']}"
+                    f"calibration.steps to {room // options['tokens']}"
                 )
 
 

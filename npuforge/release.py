@@ -113,6 +113,17 @@ def _export_summary(export_dir: Path) -> dict:
     }
 
 
+def _kv_prefix_file(export_dir: Path, meta: dict) -> Path | None:
+    """A llama export's precomputed prefix rows (the graphs' starting state), checked."""
+    prefix = meta.get("kv_prefix")
+    if not prefix:
+        return None
+    path = export_dir / _safe_relative(prefix["file"], f"{export_dir}/export.json")
+    if not path.is_file() or sha256_file(path) != prefix["sha256"]:
+        raise NpuforgeError(f"{path} is missing or not the file export.json names; re-export")
+    return path
+
+
 def _embedding_file(export_dir: Path, meta: dict) -> Path | None:
     embedding = meta.get("embedding")
     if not embedding:
@@ -191,6 +202,9 @@ def build_bundle(
             embedding = _embedding_file(Path(export_dir), summary["meta"])
             if embedding is not None:
                 sources.setdefault(embedding.name, embedding)
+            prefix = _kv_prefix_file(Path(export_dir), summary["meta"])
+            if prefix is not None:
+                sources.setdefault(prefix.name, prefix)
         for name, src in sorted(sources.items()):
             _copy(src, tmp / name)
         files = {name: sha256_file(tmp / name) for name in sorted(sources)}

@@ -7,7 +7,8 @@ input (docs/interfaces.md):
 * ``embedding``: rows of ``embedding.bin`` looked up here (``--ext-embedding``);
 * ``hidden``: an input ``<base>_in`` takes the previous chunk's output ``<base>_out``
   (``hidden_in``/``hidden_out``; RWKV-7 also passes ``v_first``);
-* ``state``: zeros after ``reset``; afterwards the output the input names;
+* ``state``: after ``reset``, zeros or the export's ``kv_prefix`` rows
+  (``initial_state``); afterwards the output the input names;
 * any other role: ``npuforge.models.<family>.extra_inputs(meta, input_spec, position)``
   (``host_feeds`` builds the tokens, embedding and family inputs of one call).
 
@@ -72,6 +73,37 @@ def host_feeds(meta: dict, graph: dict, tokens, position: int, embedding=None) -
     return feeds
 
 
+def initial_state(export_dir, meta: dict) -> dict:
+    """Every state input of an export at the start of a sequence: zeros, with the
+    ``kv_prefix`` rows (a llama export's precomputed first tokens) in their slots."""
+    import numpy as np
+
+    from npuforge.fileio import sha256_file
+
+    state = {}
+    for graph in meta["graphs"]:
+        for spec in graph["inputs"]:
+            if spec["role"] == "state":
+                state[spec["name"]] = np.zeros(spec["shape"], dtype=spec["dtype"])
+    prefix = meta.get("kv_prefix")
+    if not prefix:
+        return state
+    path = Path(export_dir) / prefix["file"]
+    if not path.is_file() or sha256_file(path) != prefix["sha256"]:
+        raise NpuforgeError(f"{path}: missing or not the file export.json names; re-run the export")
+    rows = np.fromfile(path, dtype="<f4")
+    offset, slots = 0, int(prefix["slots"])
+    for name in prefix["tensors"]:
+        if name not in state:
+            raise NpuforgeError(f"kv_prefix names {name!r}, which no graph takes; re-export")
+        batch, heads, _, width = state[name].shape
+        size = batch * heads * slots * width
+        block = rows[offset : offset + size].reshape(batch, heads, slots, width)
+        state[name][:, :, :slots, :] = block
+        offset += size
+    return state
+
+
 class GraphChain:
     def __init__(self, export_dir, session_factory=None, capture=None):
         import numpy as np
@@ -102,19 +134,16 @@ class GraphChain:
         return int(self.meta["batch"])
 
     def reset(self, batch=None):
-        """Zero every recurrent state and the position counter."""
-        np = self._np
+        """Every recurrent state to its start (``initial_state``), the position to 0."""
         if batch is not None and int(batch) != self.batch:
             raise NpuforgeError(
                 f"graphs were exported for batch {self.batch}, not {batch}; re-export with "
                 f"--batch {batch}"
             )
         self.position = 0
-        self.state = {}
-        for graph in self.graphs:
-            for spec in graph["inputs"]:
-                if spec["role"] == "state":
-                    self.state[spec["name"]] = np.zeros(spec["shape"], dtype=spec["dtype"])
+        if not hasattr(self, "_start"):
+            self._start = initial_state(self.dir, self.meta)
+        self.state = {name: value.copy() for name, value in self._start.items()}
 
     def step(self, tokens):
         """Run one call of ``T`` tokens (``tokens``: int ``[B, T]``); return the logits."""

@@ -45,12 +45,21 @@ def open_chain(export_dir):
     return GraphChain(export_dir, session_factory=session_factory_for(read_json(meta_path)))
 
 
-def family_reference(family: str, checkpoint, tokens) -> tuple:
+def family_reference(family: str, checkpoint, tokens, prefix=()) -> tuple:
     """(logits [B, S, V], exact name) of the family's own implementation on ``checkpoint``
-    (BlinkDL's rwkv package for RWKV, transformers for the llama family)."""
+    (BlinkDL's rwkv package for RWKV, transformers for the llama family). ``prefix``: an
+    export's kv_prefix tokens, run first; their logits are left out."""
+    import numpy as np
+
     from npuforge import models
 
-    return models.family(family).reference_logits(checkpoint, tokens)
+    module = models.family(family)
+    if not prefix:
+        return module.reference_logits(checkpoint, tokens)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    lead = np.tile(np.asarray(prefix, dtype=np.int64), (tokens.shape[0], 1))
+    logits, name = module.reference_logits(checkpoint, np.concatenate([lead, tokens], axis=1))
+    return logits[:, len(prefix) :], f"{name}, after the kv_prefix tokens {list(prefix)}"
 
 
 def compare(logits, reference) -> dict:
@@ -159,7 +168,8 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
     if reference in ("auto", "rwkv"):
         if checkpoint is None:
             raise NpuforgeError(f"--reference {reference} needs --checkpoint")
-        ref_logits, ref_name = family_reference(meta["family"], checkpoint, tokens)
+        prefix = meta.get("kv_prefix", {}).get("tokens", ())
+        ref_logits, ref_name = family_reference(meta["family"], checkpoint, tokens, prefix)
     elif reference.startswith("onnx-fp32:"):
         ref_chain = open_chain(reference[len("onnx-fp32:") :])
         if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":

@@ -315,6 +315,28 @@ def test_llama_onnx_bundle_feeds_mask_rope_and_cache_slots(llama_onnx, tmp_path)
     assert full["tokens"][:24] == report["tokens"]
 
 
+@pytest.mark.slow
+def test_llama_bundle_with_a_kv_prefix_starts_from_its_shipped_rows(tmp_path_factory, tmp_path):
+    """A kv_prefix export ships kv_prefix.bin; run.py starts every sequence from it."""
+    results = tmp_path_factory.mktemp("prefixed") / "results"
+    overlay = tmp_path / "prefix.yaml"
+    # verify.tokens: the export check's 64 positions would not fit beside the prefix.
+    overlay.write_text(
+        "models: {llama-tiny: {export: {kv_prefix: [1, 2]}}}\nverify: {tokens: 48}\n"
+    )
+    build(results, tmp_path_factory, "model=llama-tiny", "target=onnx", "--configfile", overlay)
+    bundle = unpack(results, "llama-tiny", "onnx", "fp32", tmp_path / "unpacked")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert "kv_prefix.bin" in manifest["files"]
+    report = report_of(run_bundle(bundle, "--prompt", PROMPT, "--max-new-tokens", 16))
+    assert report["tokens"] == reference_greedy(results, bundle, report["prompt_ids"], 16)
+    # Two of the 64 cache slots hold the prefix.
+    full = report_of(run_bundle(bundle, "--prompt", PROMPT, "--max-new-tokens", 200))
+    assert len(full["prompt_ids"]) + len(full["tokens"]) == 62 + 1
+    (bundle / "kv_prefix.bin").write_bytes(b"\0" * 8)
+    assert "sha256" in one_line_error(run_bundle(bundle, "--prompt", PROMPT))
+
+
 # --------------------------------------------------------------------------- QNN bundle
 
 QNN_NATIVE = toolchain.unavailable_reason("qnn", "native", {"htp_arch": 75, "soc_model": 57})

@@ -311,3 +311,38 @@ def test_config_layouts_old_and_new(tmp_path):
     (tmp_path / "linear" / "config.json").write_text(json.dumps(linear))
     with pytest.raises(NpuforgeError, match="RoPE type 'linear'"):
         llama_config.load_config(tmp_path / "linear")
+
+
+@pytest.mark.parametrize("kind, chunks, batch", [("smollm2", 2, 2), ("qwen3", 1, 1)])
+def test_kv_prefix_state_continues_the_sequence_transformers_runs(
+    checkpoints, tmp_path, kind, chunks, batch
+):
+    """Graphs that start from a kv_prefix give the logits of the prefixed sequence."""
+    from npuforge.runtime import GraphChain
+
+    checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
+    prefix = [3, vocab - 1]
+    ids = np.random.default_rng(5).integers(0, vocab, (batch, 20))
+    for variant, tokens in (("prefill", 4), ("decode", 1)):
+        meta = llama_export.export_llama(
+            checkpoint, tmp_path / variant, variant=variant, tokens=tokens, dtype="fp32",
+            chunks=chunks, batch=batch, cache_len=32, fp16_fixes=True, kv_prefix=prefix,
+        )  # fmt: skip
+        assert meta["kv_prefix"]["tokens"] == prefix and meta["kv_prefix"]["slots"] == 2
+    prefill, decode = GraphChain(tmp_path / "prefill"), GraphChain(tmp_path / "decode")
+    got = [prefill.step(ids[:, :4])]
+    decode.state, decode.position = prefill.state, prefill.position
+    got += [decode.step(ids[:, p : p + 1]) for p in range(4, 20)]
+    want = reference_logits(checkpoint, np.concatenate([np.tile(prefix, (batch, 1)), ids], 1))
+    got = np.concatenate(got, axis=1)
+    assert np.abs(got - want[:, 2:]).max() <= 1e-4 * np.abs(want).max()
+    # Without the prefix the same ids give other logits: the state is not ignored.
+    assert np.abs(reference_logits(checkpoint, ids) - got).max() > 1e-2 * np.abs(want).max()
+
+
+def test_kv_prefix_is_refused_when_it_does_not_fit(checkpoints, tmp_path):
+    with pytest.raises(NpuforgeError, match="kv_prefix .* fewer than cache_len"):
+        llama_export.export_llama(
+            checkpoints["llama"], tmp_path / "x", variant="decode", cache_len=2, kv_prefix=[1, 2]
+        )
+    assert not (tmp_path / "x").exists()

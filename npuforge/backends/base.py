@@ -277,11 +277,13 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
 def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
     """One ``.npz`` per call with every host-fed input of every chunk (``chunk{i}/{name}``),
     from ``npuforge.runtime.host_feeds``: the simulator sees the same tokens, embedding rows
-    and family inputs (a KV cache's mask, RoPE rows, write slots) as onnxruntime."""
+    and family inputs (a KV cache's mask, RoPE rows, write slots) as onnxruntime. An
+    export with a ``kv_prefix`` also has its starting state in the first call's file: a
+    state input found in a call's feeds replaces the carried one."""
     import numpy as np
 
     from npuforge.onnx_io import read_embedding_bin
-    from npuforge.runtime import host_feeds
+    from npuforge.runtime import host_feeds, initial_state
 
     tables = {}
     calls = []
@@ -296,9 +298,15 @@ def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
         call_ids = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
         call_ids = np.repeat(call_ids, int(export.meta.get("batch", 1)), axis=0)
         arrays = {}
+        start = initial_state(export.dir, export.meta) if number == 0 else {}
         for index, graph in enumerate(export.graphs):
             feeds = host_feeds(export.meta, graph, call_ids, call.position, tables[call.variant])
             arrays.update({f"chunk{index}/{name}": value for name, value in feeds.items()})
+            if export.meta.get("kv_prefix"):
+                # The first call starts from the precomputed prefix rows, not zeros.
+                for spec in graph["inputs"]:
+                    if spec["name"] in start:
+                        arrays[f"chunk{index}/{spec['name']}"] = start[spec["name"]]
         path = (Path(work_dir) / f"verify_call{number:04d}.npz").resolve()
         np.savez(path, **arrays)
         # Absolute: the job runs in a scratch directory of its own (or a container).

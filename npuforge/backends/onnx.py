@@ -74,7 +74,8 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     schedule = base.verification_schedule({"decode": export}, request.options.verify_steps)
     text = base.verification_tokens(len(schedule), export, request.heldout)
     ids = np.asarray(text["ids"][: len(schedule)], dtype=np.int64)[None, :]
-    expected, reference = family_reference(export.meta["family"], request.checkpoint, ids)
+    prefix = export.meta.get("kv_prefix", {}).get("tokens", ())
+    expected, reference = family_reference(export.meta["family"], request.checkpoint, ids, prefix)
     with atomic_path(request.out_dir) as tmp:
         tmp.mkdir()
         artifacts = []
@@ -84,14 +85,15 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             if chunk is not None:
                 entry["chunk"] = chunk
             artifacts.append(entry)
-        if export.meta.get("embedding"):
-            # The chain reads the table from beside export.json; the bundle ships it anyway.
-            name = export.meta["embedding"]["file"]
+        # The chain reads the table and the prefix rows from beside export.json; the
+        # bundle ships them from the export anyway.
+        beside = [export.meta[k]["file"] for k in ("embedding", "kv_prefix") if export.meta.get(k)]
+        for name in beside:
             shutil.copyfile(export.dir / name, tmp / name)
         shipped = base.Export(tmp, export.meta)
         logits = base.reference_logits({"decode": shipped}, schedule, text["ids"])
-        if export.meta.get("embedding"):
-            (tmp / export.meta["embedding"]["file"]).unlink()
+        for name in beside:
+            (tmp / name).unlink()
         verification = base.verify(
             request, FLOORS, schedule, text, expected.reshape(len(schedule), -1), logits,
             runner=f"onnxruntime {metadata.version('onnxruntime')} CPU, the shipped graphs",

@@ -221,6 +221,7 @@ def build_spec(graph, chunk, paths, options: Options, precision, dataset, steps)
         "verify": {
             "steps": steps,
             "feeds": {name: str(path) for name, path in paths["feeds"].items()},
+            "start": {name: str(path) for name, path in paths.get("start", {}).items()},
             "save": {name: str(path) for name, path in paths["save"].items()},
         },
         "build_log": str(paths["build_log"]),
@@ -301,8 +302,12 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             chunk_work.mkdir()
             onnx_path = chunk_work / "model.onnx"
             rewrites.append({"chunk": index, **rewrite_file(export.dir / graph["file"], onnx_path)})
-            feeds = {}
+            feeds, start = {}, {}
             for spec in graph["inputs"]:
+                if spec["role"] == "state" and export.meta.get("kv_prefix"):
+                    # The state the reference's first call started from: the prefix rows.
+                    start[spec["name"]] = chunk_work / f"start_{spec['name']}.npy"
+                    np.save(start[spec["name"]], fed[(index, spec["name"])][0])
                 if spec["role"] == "state":
                     continue
                 path = chunk_work / f"feed_{spec['name']}.npy"
@@ -321,6 +326,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "onnx": onnx_path,
                 "rknn": staging / f"chunk{index}.rknn",
                 "feeds": feeds,
+                "start": start,
                 "save": save,
                 "build_log": chunk_work / "build.log",
                 "result": chunk_work / "result.json",

@@ -577,7 +577,8 @@ def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run"
 
     ``chains[variant][i]`` lists chunk i's inputs ({name, role, output?, shape, dtype})
     and outputs; ``sessions[variant][i]`` runs it. Per input role: state (fed from the
-    output it names, carried across calls and variants; zeros first), hidden (the
+    output it names, carried across calls and variants; zeros first, unless the call's
+    feeds hold it: a kv_prefix's starting state), hidden (the
     previous chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
     ``v_first_in`` <- ``v_first_out``); anything else is host-fed, read from the
     call's feeds file under ``chunk{i}/{name}``. Returns every other output as rows
@@ -597,7 +598,9 @@ def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run"
             feed = {}
             for item in chunk["inputs"]:
                 name, role = item["name"], item["role"]
-                if role == "state":
+                if role == "state" and f"chunk{index}/{name}" in host:
+                    feed[name] = host[f"chunk{index}/{name}"]  # a starting state (kv_prefix)
+                elif role == "state":
                     default = np.zeros(item["shape"], dtype=np.dtype(item["dtype"]))
                     feed[name] = state.get(name, default)
                 elif role == "hidden":

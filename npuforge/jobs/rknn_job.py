@@ -9,7 +9,8 @@ The spec (written by npuforge.backends.rknn) holds absolute paths and options:
 ``onnx``, ``rknn`` (output), ``target_platform``, ``precision``,
 ``quantized_algorithm``, ``optimization_level``, ``dataset`` (or null),
 ``inputs``/``outputs`` (graph order: name, shape, role, and ``output`` for a
-state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]},
+state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]}, start:
+{state input: .npy of its first value, when not zeros},
 save: {output: .npy to write [steps, *shape]}}), ``build_log``, ``result``, and
 ``float16`` (null, {op_types: [...]} or {except_op_types: [...]}: hybrid
 quantization, see ``_hybrid_build``) with ``hybrid_dir`` (its scratch directory).
@@ -304,8 +305,11 @@ def main(spec_path):
             start = time.monotonic()
             _check(rknn.init_runtime(), "init_runtime (simulator)")
             feeds = {name: np.load(path) for name, path in verify["feeds"].items()}
+            start = verify.get("start") or {}
             state = {
-                i["name"]: np.zeros(i["shape"], dtype=np.float32)
+                i["name"]: np.load(start[i["name"]]).astype(np.float32)
+                if i["name"] in start
+                else np.zeros(i["shape"], dtype=np.float32)
                 for i in spec["inputs"]
                 if i["role"] == "state"
             }

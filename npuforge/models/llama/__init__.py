@@ -16,7 +16,7 @@ from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
-EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes")
+EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes", "kv_prefix")
 
 
 def export_options(model: dict, export: dict) -> dict:
@@ -25,12 +25,15 @@ def export_options(model: dict, export: dict) -> dict:
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes.
     """
-    return {
+    options = {
         "cache_len": int(model["context_length"]),
         "sha": bool(export.get("sha", False)),
         "mask_value": float(export.get("mask_value", MASK_VALUE)),
         "fp16_fixes": bool(export.get("fp16_fixes", True)),
     }
+    if export.get("kv_prefix"):
+        options["kv_prefix"] = [int(t) for t in export["kv_prefix"]]
+    return options
 
 
 def inspect(path) -> dict:

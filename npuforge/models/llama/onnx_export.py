@@ -34,6 +34,7 @@ relies on that layout.
 import shutil
 import warnings
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -104,12 +105,14 @@ def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarr
     role = input_spec.get("role")
     if role not in HOST_ROLES:
         raise NpuforgeError(f"llama graphs have no input role {role!r} ({input_spec.get('name')})")
+    # Positions count the caller's tokens; a kv_prefix sits in the slots before them.
+    offset = len(export_meta.get("kv_prefix", {}).get("tokens", ()))
     values = host_inputs(
         LlamaConfig(**export_meta["config"]),
         batch=export_meta["batch"],
         tokens=export_meta["tokens_per_call"],
         cache_len=export_meta["cache_len"],
-        position=position,
+        position=offset + position,
         dtype=np.dtype(input_spec.get("dtype", "float32")),
         mask_value=export_meta.get("options", {}).get("mask_value", MASK_VALUE),
     )
@@ -152,6 +155,47 @@ def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embed
             inputs.append({**state, "output": f"{name}_out"})
             outputs.append({**state, "name": f"{name}_out"})
     return inputs, outputs
+
+
+def write_kv_prefix(directory, model, cfg, prefix, batch, cache_len, mask_value) -> dict:
+    """Run ``prefix`` through ``model`` in fp32 and write its KV rows as kv_prefix.bin.
+
+    Trained models put a massive activation (|h| ~ 2e4 in SmolLM2) on a sequence's first
+    token; quantizers that see it spread every activation range over it. With the first
+    tokens' cache computed here, the graphs never see them. File: for each cache in
+    ``tensors`` order, its slots 0..P-1 ([batch, kv_heads, P, head_dim], float32 LE).
+    """
+    import copy
+
+    import torch
+
+    wide = (
+        copy.deepcopy(model).float() if model.embed_tokens.weight.dtype != torch.float32 else model
+    )
+    count = len(prefix)
+    host = host_inputs(
+        cfg, batch=batch, tokens=count, cache_len=cache_len, position=0, mask_value=mask_value
+    )
+    shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
+    caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]
+    ids = torch.tensor([list(prefix)] * batch, dtype=torch.int64)
+    roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
+    with torch.no_grad():
+        _, caches = wide(ids, *(torch.from_numpy(host[r]) for r in roles), caches)
+    names = [cache_name(layer, kind) for layer in range(cfg.num_layers) for kind in ("k", "v")]
+    rows = np.concatenate(
+        [np.ascontiguousarray(c[:, :, :count, :].numpy(), dtype="<f4").ravel() for c in caches]
+    )
+    path = Path(directory) / "kv_prefix.bin"
+    rows.tofile(path)
+    return {
+        "tokens": list(prefix),
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "dtype": "float32",
+        "slots": count,
+        "tensors": names,
+    }
 
 
 def cache_name(layer: int, kind: str) -> str:
@@ -244,6 +288,7 @@ def export_llama(
     external_data: bool | None = None,
     mask_value: float = MASK_VALUE,
     fp16_fixes: bool = False,
+    kv_prefix: tuple = (),
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -256,6 +301,8 @@ def export_llama(
     additive mask of hidden slots, recorded in export.json for the runner. fp16_fixes:
     the residual stream's norms in a form whose fp16 arithmetic cannot overflow (exact in
     fp32; for SoCs that compute in fp16 whatever the graph dtype, e.g. the Qualcomm HTP).
+    kv_prefix: token ids every sequence starts with; their KV cache rows are computed
+    here in fp32 and shipped as the graphs' starting state (``write_kv_prefix``).
     """
     import torch
 
@@ -276,6 +323,14 @@ def export_llama(
     cache_len = cache_len or min(cfg.max_position_embeddings, 2048)
     if tokens > cache_len:
         raise NpuforgeError(f"tokens per call ({tokens}) exceed cache_len ({cache_len})")
+    kv_prefix = [int(t) for t in kv_prefix or ()]
+    if kv_prefix and not (
+        len(kv_prefix) < cache_len and all(0 <= t < cfg.vocab_size for t in kv_prefix)
+    ):
+        raise NpuforgeError(
+            f"kv_prefix {kv_prefix} must be fewer than cache_len ({cache_len}) token ids below "
+            f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
+        )
     state_dict = load_state_dict(checkpoint_dir, torch_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes).to(torch_dtype)
     del state_dict
@@ -287,6 +342,9 @@ def export_llama(
         if ext_embedding:
             table = model.embed_tokens.weight.detach().numpy().astype(np_dtype)
             embedding = embedding_entry(tmp, table)
+        prefix = None
+        if kv_prefix:
+            prefix = write_kv_prefix(tmp, model, cfg, kv_prefix, batch, cache_len, mask_value)
         for index, (first, last) in enumerate(ranges):
             inputs, outputs = _chunk_io(
                 cfg,
@@ -344,5 +402,7 @@ def export_llama(
             "embedding": embedding,
             "graphs": graphs,
         }
+        if prefix:
+            meta["kv_prefix"] = prefix
         write_json(tmp / "export.json", meta)
     return meta

@@ -24,6 +24,11 @@ EXPORT_OPTIONS = ("fp16_fixes", "rescale_every", "wkv_scale", "last_token_logits
 
 def export_options(model: dict, export: dict) -> dict:
     """The family's export options for a registry model and a target's export choices."""
+    if export.get("kv_prefix"):
+        raise NpuforgeError(
+            "kv_prefix is a llama export option (it fills a KV cache); an RWKV model has a "
+            "recurrent state: remove kv_prefix from its export"
+        )
     return {
         "fp16_fixes": bool(export.get("fp16_fixes", True)),
         "last_token_logits": bool(export.get("last_token_logits", False)),
