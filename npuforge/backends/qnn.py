@@ -222,9 +222,12 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 request, exports, stamp, spec, result, staging, (schedule, text, reference)
             )
             write_json(staging / "compile.json", record)
-            base.check_gate(
-                target, precision, record["verification"], "keep more tensors at 16 bit or use fp16"
+            fix = (
+                "a trained Llama needs the export's fp16_fixes and a kv_prefix (README)"
+                if precision == "fp16"
+                else "set the model's export kv_prefix, keep more tensors at 16 bit, or use fp16"
             )
+            base.check_gate(target, precision, record["verification"], fix)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return record
