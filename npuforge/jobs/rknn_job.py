@@ -305,10 +305,10 @@ def main(spec_path):
             start = time.monotonic()
             _check(rknn.init_runtime(), "init_runtime (simulator)")
             feeds = {name: np.load(path) for name, path in verify["feeds"].items()}
-            start = verify.get("start") or {}
+            first_state = verify.get("start") or {}
             state = {
-                i["name"]: np.load(start[i["name"]]).astype(np.float32)
-                if i["name"] in start
+                i["name"]: np.load(first_state[i["name"]]).astype(np.float32)
+                if i["name"] in first_state
                 else np.zeros(i["shape"], dtype=np.float32)
                 for i in spec["inputs"]
                 if i["role"] == "state"
