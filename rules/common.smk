@@ -183,6 +183,13 @@ def release_outputs():
     return outputs
 
 
+def release_manifests():
+    return [
+        f"{release_dir(b.model, b.target, b.precision)}/manifest.json"
+        for b in PLAN.builds
+    ]
+
+
 def bench_outputs(wildcards):
     # Evaluated while the DAG is built, so a missing adb or device stops the run
     # before any job (build or benchmark) starts.
