@@ -37,6 +37,8 @@ from npuforge.settings import check_calibration_text, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
+# Registries and configs that passed their schema (npuforge.schema.validate).
+VALIDATED = ".snakemake/npuforge/validated"
 # Shipped in every bundle as run.py: a change to it repackages every bundle.
 BUNDLE_RUNNER = f"{workflow.basedir}/npuforge/bundle_runner.py"
 
@@ -49,11 +51,11 @@ def _stop(err):
 
 
 try:
-    validate(config, f"{SCHEMAS}/config.schema.yaml", "config")
+    validate(config, f"{SCHEMAS}/config.schema.yaml", "config", VALIDATED)
     RESULTS = results_dir(config["results"])
     MODELS, TARGETS = load_registries(config, workflow.basedir)
-    validate(MODELS, f"{SCHEMAS}/models.schema.yaml", "models")
-    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets")
+    validate(MODELS, f"{SCHEMAS}/models.schema.yaml", "models", VALIDATED)
+    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets", VALIDATED)
     check_registries(MODELS, TARGETS)
     PLAN = make_plan(config, MODELS, TARGETS)
     RUNTIME = config["toolchain_runtime"]
