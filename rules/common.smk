@@ -39,6 +39,9 @@ MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
 # Registries and configs that passed their schema (npuforge.schema.validate).
 VALIDATED = ".snakemake/npuforge/validated"
+# The main environment's pins: an input of the stages kept in Snakemake's output cache
+# (export, calibrate), so another software stack never reuses their outputs.
+MAIN_LOCK = "envs/main/requirements.lock"
 # Shipped in every bundle as run.py: a change to it repackages every bundle.
 BUNDLE_RUNNER = f"{workflow.basedir}/npuforge/bundle_runner.py"
 
@@ -84,6 +87,16 @@ wildcard_constraints:
 
 def as_json(data):
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def local_source_stamp(model):
+    # A path source is keyed by its size and mtime too: the output cache keys exports by
+    # the fetch job's params, and a file edited in place keeps its path.
+    path = MODELS[model]["source"].get("path")
+    if not path or not Path(path).exists():
+        return ""
+    stat = Path(path).stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def fetched_path(model):
