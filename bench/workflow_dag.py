@@ -273,6 +273,7 @@ def best_of(repeat, cmd, cwd) -> tuple[float, int]:
 def noop_rerun_seconds(tmp: Path, repeat: int) -> float:
     """Build the default matrix in a scratch copy, then time the rerun that has nothing to do."""
     copy = tmp / "default"
+    copy.mkdir()
     for part in WORKFLOW_PARTS:
         src = REPO / part
         if src.is_dir():
