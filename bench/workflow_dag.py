@@ -278,7 +278,7 @@ def noop_rerun_seconds(tmp: Path, repeat: int) -> float:
         src = REPO / part
         if src.is_dir():
             shutil.copytree(src, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
+        elif src.exists():
             shutil.copy2(src, copy / part)
     snakemake = [sys.executable, "-m", "snakemake", "--cores", "2"]
     print("building the default matrix for the no-op rerun (about a minute)", flush=True)
