@@ -8,6 +8,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/fetch.smk"
 include: "rules/export.smk"
@@ -16,6 +19,7 @@ include: "rules/verify.smk"
 include: "rules/calibrate.smk"
 include: "rules/compile.smk"
 include: "rules/package.smk"
+include: "rules/report.smk"
 include: "rules/bench.smk"
 
 
@@ -32,3 +36,4 @@ rule all:
     default_target: True
     input:
         release_outputs(),
+        rules.release_report.output,

@@ -4,11 +4,15 @@ jsonschema's own report of a failure is a dump of the schema; here the most
 relevant error (jsonschema's ``best_match``) becomes one line that names the
 key by its path (``models.my-rwkv.source.hf.revision``), the bad value, and what
 would be valid, with the schema's ``description`` of that key as the hint.
-The Snakefile imports this module while it parses: PyYAML and jsonschema only.
+The Snakefile imports this module while it parses: PyYAML and jsonschema only (and
+jsonschema only when the data has not passed the same schema before).
 """
 
 import difflib
 import functools
+import hashlib
+import json
+from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -76,10 +80,33 @@ def describe(error, prefix: str) -> str:
     return f"{line}; {hint}" if hint else line
 
 
-def validate(data, schema_path, prefix: str = "") -> None:
-    """Raise NpuforgeError with one line for the most relevant schema violation."""
+def _validated_key(data, schema_path) -> str:
+    """What a validation result depends on: the data, the schema's bytes, jsonschema's version."""
+    digest = hashlib.sha256()
+    digest.update(Path(schema_path).read_bytes())
+    digest.update(metadata.version("jsonschema").encode())
+    digest.update(json.dumps(data, sort_keys=True, default=repr).encode())
+    return digest.hexdigest()
+
+
+def validate(data, schema_path, prefix: str = "", cache_dir=None) -> None:
+    """Raise NpuforgeError with one line for the most relevant schema violation.
+
+    With ``cache_dir``, data that passed this schema before is not checked again:
+    importing jsonschema and checking every registry entry is most of a dry run's
+    fixed cost, and the answer only changes with the data or the schema.
+    """
+    stamp = Path(cache_dir) / _validated_key(data, schema_path) if cache_dir else None
+    if stamp is not None and stamp.exists():
+        return
     import jsonschema
 
     error = jsonschema.exceptions.best_match(_validator(str(schema_path)).iter_errors(data))
     if error is not None:
         raise NpuforgeError(describe(error, prefix))
+    if stamp is not None:
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.touch()
+        except OSError:
+            pass  # a read-only working directory: the next run checks again

@@ -3,12 +3,12 @@ rule calibrate:
         export=f"{RESULTS}/export/{{model}}/{{key}}",
         checkpoint=lambda w: checkpoint_path(w.model),
         texts=calibration_text_files(),
+        software=MAIN_LOCK,
     output:
         directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
     log:
         f"{RESULTS}/logs/calibrate/{{model}}/{{key}}.log",
-    benchmark:
-        f"{RESULTS}/benchmarks/calibrate/{{model}}/{{key}}.tsv"
+    cache: True
     conda:
         MAIN_ENV
     threads: 1

@@ -37,6 +37,11 @@ from npuforge.settings import check_calibration_text, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
+# Registries and configs that passed their schema (npuforge.schema.validate).
+VALIDATED = ".snakemake/npuforge/validated"
+# The main environment's pins: an input of the stages kept in Snakemake's output cache
+# (export, calibrate), so another software stack never reuses their outputs.
+MAIN_LOCK = "envs/main/requirements.lock"
 # Shipped in every bundle as run.py: a change to it repackages every bundle.
 BUNDLE_RUNNER = f"{workflow.basedir}/npuforge/bundle_runner.py"
 
@@ -49,11 +54,11 @@ def _stop(err):
 
 
 try:
-    validate(config, f"{SCHEMAS}/config.schema.yaml", "config")
+    validate(config, f"{SCHEMAS}/config.schema.yaml", "config", VALIDATED)
     RESULTS = results_dir(config["results"])
     MODELS, TARGETS = load_registries(config, workflow.basedir)
-    validate(MODELS, f"{SCHEMAS}/models.schema.yaml", "models")
-    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets")
+    validate(MODELS, f"{SCHEMAS}/models.schema.yaml", "models", VALIDATED)
+    validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets", VALIDATED)
     check_registries(MODELS, TARGETS)
     PLAN = make_plan(config, MODELS, TARGETS)
     RUNTIME = config["toolchain_runtime"]
@@ -82,6 +87,16 @@ wildcard_constraints:
 
 def as_json(data):
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def local_source_stamp(model):
+    # A path source is keyed by its size and mtime too: the output cache keys exports by
+    # the fetch job's params, and a file edited in place keeps its path.
+    path = MODELS[model]["source"].get("path")
+    if not path or not Path(path).exists():
+        return ""
+    stat = Path(path).stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def fetched_path(model):
@@ -181,6 +196,13 @@ def release_outputs():
         path = release_dir(build.model, build.target, build.precision)
         outputs += [f"{path}/manifest.json", f"{path}/SHA256SUMS", f"{path}.tar.gz"]
     return outputs
+
+
+def release_manifests():
+    return [
+        f"{release_dir(b.model, b.target, b.precision)}/manifest.json"
+        for b in PLAN.builds
+    ]
 
 
 def bench_outputs(wildcards):

@@ -2,12 +2,14 @@ rule export:
     input:
         checkpoint=lambda w: checkpoint_path(w.model),
         inspect=f"{RESULTS}/models/{{model}}/inspect.json",
+        software=MAIN_LOCK,
     output:
         directory(f"{RESULTS}/export/{{model}}/{{key}}"),
     log:
         f"{RESULTS}/logs/export/{{model}}/{{key}}.log",
-    benchmark:
-        f"{RESULTS}/benchmarks/export/{{model}}/{{key}}.tsv"
+    # Between workflows: snakemake --cache with SNAKEMAKE_OUTPUT_CACHE set (README); a
+    # cached rule cannot have a benchmark record (a cache hit has no run to measure).
+    cache: True
     conda:
         MAIN_ENV
     threads: 1

@@ -15,6 +15,7 @@ rule fetch:
         mem_mb=2000,
     params:
         source=lambda w: as_json(MODELS[w.model]["source"]),
+        source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
         family=lambda w: MODELS[w.model]["family"],
     shell:
@@ -37,6 +38,7 @@ rule fetch_tree:
         mem_mb=2000,
     params:
         source=lambda w: as_json(MODELS[w.model]["source"]),
+        source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
         family=lambda w: MODELS[w.model]["family"],
     shell:

@@ -22,6 +22,7 @@ WORKFLOW_PARTS = (
     "workflow_scripts",
     "npuforge",
     "data",
+    "report",
 )
 
 

@@ -1,6 +1,7 @@
 """The Snakemake workflow, run for real on temporary copies of the repository."""
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -62,8 +63,10 @@ def test_default_dry_run(workflow):
         "verify_onnx": 1,
         "compile": 1,
         "package": 1,
+        "release_index": 1,
+        "release_report": 1,
         "all": 1,
-        "total": 9,
+        "total": 11,
     }
 
 
@@ -233,9 +236,15 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     assert job_counts(added.stdout + added.stderr) == {
         "compile": 1,
         "package": 1,
+        "release_index": 1,
+        "release_report": 1,
         "all": 1,
-        "total": 3,
+        "total": 5,
     }
+    # The index lists every bundle in results/release, whichever selection built it.
+    index = json.loads((workflow / "results" / "release" / "index.json").read_text())
+    rows = [(b["model"], b["target"], b["precision"]) for b in index["bundles"]]
+    assert rows == [("rwkv7-demo", "onnx", "fp32"), ("rwkv7-demo", "onnx-v16", "fp32")]
     # Changing that target's option reruns exactly its compile and package.
     changed = write_extra(
         workflow,
@@ -244,7 +253,14 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     )
     dry = snakemake(workflow, "--dry-run", "--configfile", changed, *select)
     output = dry.stdout + dry.stderr
-    assert job_counts(output) == {"compile": 1, "package": 1, "all": 1, "total": 3}
+    assert job_counts(output) == {
+        "compile": 1,
+        "package": 1,
+        "release_index": 1,
+        "release_report": 1,
+        "all": 1,
+        "total": 5,
+    }
     assert "results/compile/rwkv7-demo/onnx-v16/fp32" in output
     assert "results/compile/rwkv7-demo/onnx/fp32" not in output
 
