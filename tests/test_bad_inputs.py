@@ -176,6 +176,38 @@ CASES = {
         "config": ["models_registry=@TMP@/models.yaml"],
         "says": "duplicate key 'rwkv7-demo' at line",
     },
+    "sha256 mismatch on a path source": {
+        "files": {"x.pth": b"weights"},
+        "configfile": {"models": {"m": tiny(source={"path": "@TMP@/x.pth"}, sha256="b" * 64)}},
+        "config": ["model=m"],
+        "says": f"but the registry pins {'b' * 64}",
+    },
+    "path source is a directory, format pth": {
+        "files": {"adir": None},
+        "configfile": {"models": {"m": tiny(source={"path": "@TMP@/adir"}, sha256="b" * 64)}},
+        "config": ["model=m"],
+        "says": "is a directory, but the model's format wants a file",
+    },
+    "path source is a file, format hf": {
+        "files": {"x.pth": b"weights"},
+        "configfile": {
+            "models": {"m": tiny(source={"path": "@TMP@/x.pth"}, sha256="b" * 64, format="hf")}
+        },
+        "config": ["model=m"],
+        "says": "is a file, but format hf wants a model directory",
+    },
+    "duplicate key in a --configfile": {
+        "configfile": (
+            "models:\n  rwkv7-tiny: {context_length: 512}\n  rwkv7-tiny: {context_length: 256}\n"
+        ),
+        "config": ["model=rwkv7-tiny"],
+        "says": "duplicate key 'rwkv7-tiny' at line 3",
+    },
+    "results on a read-only filesystem": {
+        "read_only_mount": "ro",
+        "config": ["results=@TMP@/ro/results"],
+        "says": "is not writable (read-only filesystem or permissions)",
+    },
     "docker not installed": {
         "config": ["target=RK3588", "toolchain_runtime=docker"],
         "env": {"PATH": "/usr/bin:/bin"},
@@ -205,7 +237,21 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
         ):
             pytest.skip(f"{case['needs_absent']} is installed under {case['env']['PATH']}")
     args = files_for(case, workflow, tmp_path)
-    result = snakemake(workflow, "--dry-run", *args, env=env)
+    if case.get("read_only_mount"):
+        mount_point = tmp_path / case["read_only_mount"]
+        mount_point.mkdir()
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount_point)],
+            capture_output=True,
+            text=True,
+        )
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
+    try:
+        result = snakemake(workflow, "--dry-run", *args, env=env)
+    finally:
+        if case.get("read_only_mount"):
+            subprocess.run(["umount", str(mount_point)], check=True)
     assert result.returncode != 0, result.stdout[-2000:]
     lines = [
         line
