@@ -17,6 +17,7 @@ from conftest import REPO, copy_workflow, script_env
 from crash_trials import release_digests
 from test_fetch import COMMIT, PRIVATE_REPO, REPO_FILES, TOKEN, HubHandler, hf_env, loopback_server
 
+from npuforge import toolchain
 from npuforge.errors import NpuforgeError
 
 TINY = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
@@ -29,12 +30,12 @@ def tiny_checkpoint(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def build(wf: Path, entry: dict, env: dict) -> Path:
+def build(wf: Path, entry: dict, env: dict, target="onnx") -> Path:
     (wf / "extra.yaml").write_text(yaml.safe_dump({"models": {"m": entry}}))
     results = wf / "results"
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "extra.yaml",
-         "--config", "model=m", "target=onnx", f"results={results}"],
+         "--config", "model=m", f"target={target}", f"results={results}"],
         cwd=wf, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -56,7 +57,25 @@ def every_byte_written(*roots: Path):
                 yield Path(f"{path}:gunzip"), gzip.decompress(data)
 
 
-def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
+RKNN_NATIVE = toolchain.unavailable_reason("rknn", "native", {"target_platform": "rk3588"})
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "onnx",
+        # A vendor build too: a native toolchain job inherits the environment, token included.
+        pytest.param(
+            "RK3588",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.toolchain,
+                pytest.mark.skipif(RKNN_NATIVE is not None, reason=f"rknn: {RKNN_NATIVE}"),
+            ],
+        ),
+    ],
+)
+def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path, target):
     data = tiny_checkpoint(tmp_path / "tiny.pth")
     REPO_FILES[PRIVATE_REPO]["tiny.pth"] = data
     try:
@@ -70,7 +89,7 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
             wf = copy_workflow(tmp_path / "wf")
-            results = build(wf, entry, env)
+            results = build(wf, entry, env, target)
             seen = list(HubHandler.requests_seen)
     finally:
         REPO_FILES[PRIVATE_REPO].pop("tiny.pth")
@@ -80,6 +99,8 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
         assert TOKEN.encode() not in content, f"HF_TOKEN written to {path}"
         checked += 1
     assert checked > 20 and any(results.rglob("manifest.json")) and any(results.rglob("*.log"))
+    if target == "RK3588":
+        assert any(results.rglob("*.rknn")) and any(results.rglob("compile.json"))
 
 
 def test_a_manifest_names_no_path_and_travels_between_machines(tmp_path):
@@ -111,8 +132,6 @@ def test_a_manifest_names_no_path_and_travels_between_machines(tmp_path):
 
 
 def rknn_podman_reason():
-    from npuforge import toolchain
-
     return toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"})
 
 
@@ -122,8 +141,6 @@ def test_container_jobs_cannot_write_inputs_or_open_a_socket_and_never_run_as_ro
     """A real job in the rknn image (built here if missing, as the first RK3588 podman
     build would) tries to write its input and to open a socket; it runs as a non-root uid
     even when the caller is root, and its outputs belong to the caller afterwards."""
-    from npuforge import toolchain
-
     stamp = tmp_path / "stamp.json"
     toolchain.prepare("rknn", "podman", stamp, target_options={"target_platform": "rk3588"},
                       log_path=tmp_path / "prepare.log")  # fmt: skip
