@@ -407,6 +407,10 @@ RUN_CASES = {
         ),
         "says": "lies outside the file",
     },
+    "format safetensors for a torch checkpoint": {
+        "model": lambda tmp: path_model(tmp, "f.pth", synthetic_pth(tmp / "f0.pth"), "safetensors"),
+        "says": "it is a torch zip checkpoint: set format: pth",
+    },
     "checkpoint dims disagree with arch": {
         "model": lambda tmp: path_model(
             tmp,
