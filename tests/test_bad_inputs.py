@@ -83,6 +83,10 @@ CASES = {
         "says": "does not support precision 'fp16'",
     },
     "empty selection": {"config": ["model=,"], "says": "no model selected"},
+    "blank item in a comma list": {
+        "config": ["model=rwkv7-demo,,rwkv7-tiny"],
+        "says": "model='rwkv7-demo,,rwkv7-tiny' has a blank item; remove the extra comma",
+    },
     "results is the filesystem root": {"config": ["results=/"], "says": "is the filesystem root"},
     "results is empty": {"config": ["results="], "says": "config.results is empty"},
     "results under a regular file": {
