@@ -15,6 +15,7 @@ under results/ that a later run would trust.
 """
 
 import argparse
+import hashlib
 import re
 import subprocess
 import sys
@@ -32,6 +33,21 @@ def report(trial):
           f"{str(trial.identical):9}  {len(trial.leftovers)}{differs}", flush=True)  # fmt: skip
 
 
+def checkout_digest() -> str:
+    """sha256 over every file the trials copy or import from this checkout: every trial
+    copies the workflow from here and imports npuforge from here, so an edit during a run
+    would mix two versions of the code into one set of figures."""
+    from conftest import WORKFLOW_PARTS
+
+    digest = hashlib.sha256()
+    for part in sorted({*WORKFLOW_PARTS, "npuforge", "tests"}):
+        root = ROOT / part
+        for path in sorted(root.rglob("*") if root.is_dir() else [root]):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(f"{path.relative_to(ROOT)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--onnx", type=int, default=20, help="kill trials of the onnx build")
@@ -43,6 +59,7 @@ def main():
 
     from crash_trials import run_fetch_trials, run_trials
 
+    before = checkout_digest()
     trials = []
     print(f"{'target':8} {'kill at s':>9}  {'killed in':22} resumed  identical  leftovers")
     with tempfile.TemporaryDirectory(prefix="npuforge-reliability-") as scratch:
@@ -81,6 +98,11 @@ def main():
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:{width}}  {value:>4}")
+    if checkout_digest() != before:
+        sys.exit(
+            f"error: files of {ROOT} changed during the run, so the trials mixed two versions "
+            "of the code: these figures are void; run it from a clone nobody edits"
+        )
 
 
 if __name__ == "__main__":
