@@ -37,6 +37,7 @@ RUNTIMES = ("native", "podman", "docker")
 # Debian's package of each engine (Debian's "docker" is a window-manager dock).
 DEBIAN_PACKAGES = {"podman": "podman", "docker": "docker.io"}
 CONTAINER_RUNTIMES = ("podman", "docker")
+ARCH_TEMPLATE = {"podman": "{{.Host.Arch}}", "docker": "{{.Architecture}}"}
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where the python of a toolchain image lives; every Containerfile puts its venv here.
@@ -86,7 +87,8 @@ def _engine_problem(engine: str) -> str | None:
         )
     try:
         probe = subprocess.run(
-            [engine, "info", "--format", "{{.Host.Arch}}" if engine == "podman" else "{{.Arch}}"],
+            # podman's and docker's info structs name the architecture differently
+            [engine, "info", "--format", ARCH_TEMPLATE.get(engine, "{{.Architecture}}")],
             capture_output=True,
             text=True,
             timeout=60,

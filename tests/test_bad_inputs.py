@@ -212,6 +212,11 @@ CASES = {
         "config": ["results=@TMP@/ro/results"],
         "says": "is not writable (read-only filesystem or permissions)",
     },
+    "docker installed, its daemon not running": {
+        "config": ["target=RK3588", "toolchain_runtime=docker"],
+        "says": "Cannot connect to the Docker daemon",
+        "skip_unless": lambda: docker_without_daemon(),
+    },
     "docker not installed": {
         "config": ["target=RK3588", "toolchain_runtime=docker"],
         "env": {"PATH": "/usr/bin:/bin"},
@@ -219,6 +224,17 @@ CASES = {
         "needs_absent": "docker",
     },
 }
+
+
+def docker_without_daemon():
+    """None when a docker CLI is installed and no daemon answers it, else why not."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        return "docker is not installed here"
+    if subprocess.run(["docker", "version"], capture_output=True).returncode == 0:
+        return "a docker daemon is running here"
+    return None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -231,6 +247,8 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
     if case.get("needs") and toolchain.unavailable_reason(case["needs"], "native", {
         "target_platform": "rk3588"}):  # fmt: skip
         pytest.skip(f"needs the {case['needs']} toolchain to plan the target")
+    if case.get("skip_unless") and case["skip_unless"]():
+        pytest.skip(case["skip_unless"]())
     env = None
     if "env" in case:
         from conftest import script_env
