@@ -220,7 +220,9 @@ CASES = {
     "docker not installed": {
         "config": ["target=RK3588", "toolchain_runtime=docker"],
         "env": {"PATH": "/usr/bin:/bin"},
-        "says": "docker",
+        # Debian's package "docker" is a window manager's dock; the engine is docker.io.
+        "says": "container engine 'docker' is not installed: install it (Debian: apt-get "
+        "install docker.io)",
         "needs_absent": "docker",
     },
 }
@@ -286,6 +288,16 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workflow / "results").exists()
     assert not os.path.exists(tmp_path / "afile" / "results")
+
+
+def test_results_under_the_home_directory_is_expanded_not_a_directory_named_tilde(
+    tmp_path, monkeypatch
+):
+    from npuforge.settings import results_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert results_dir("~/npu-out") == f"{tmp_path}/npu-out"
+    assert results_dir("~/npu-out/") == f"{tmp_path}/npu-out"
 
 
 # --------------------------------------------------------------------------- found by jobs
