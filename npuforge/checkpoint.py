@@ -92,6 +92,18 @@ def _load_pth(path: Path) -> dict:
     return state
 
 
+# What a file that is not safetensors starts with, when it is another checkpoint format.
+OTHER_FORMATS = {
+    b"PK": "a torch zip checkpoint: set format: pth",
+    b"GGUF": "a GGUF file: set format: gguf",
+}
+
+
+def _other_format(head: bytes) -> str | None:
+    fixes = [fix for magic, fix in OTHER_FORMATS.items() if head.startswith(magic)]
+    return f"it is {fixes[0]}" if fixes else None
+
+
 SAFETENSORS_DTYPES = {
     "BF16": ("bfloat16", 2),
     "F16": ("float16", 2),
@@ -116,9 +128,8 @@ def _load_safetensors(path: Path) -> dict:
         head = handle.read(8)
         header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
         if header_len < 2 or 8 + header_len > size:
-            raise NpuforgeError(
-                f"{path}: not a safetensors file or truncated header; download it again"
-            )
+            fix = _other_format(head) or "download it again"
+            raise NpuforgeError(f"{path}: not a safetensors file or truncated header; {fix}")
         try:
             header = json.loads(handle.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError):

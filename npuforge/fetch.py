@@ -64,7 +64,7 @@ def fetch(source: dict, expected_sha256: str | None, out, record, family: str = 
                     f"checkpoint {what} {local} does not exist; fix source.path in the registry"
                 )
             if local.is_dir() != tree:
-                raise NpuforgeError(_wrong_kind(local))
+                raise NpuforgeError(wrong_kind(local))
             (_place_tree if tree else _place)(local, tmp)
         else:
             _make_synthetic(source["synthetic"], tmp, out.suffix.lstrip("."), family)
@@ -96,7 +96,7 @@ def fetch(source: dict, expected_sha256: str | None, out, record, family: str = 
     return data
 
 
-def _wrong_kind(local: Path) -> str:
+def wrong_kind(local: Path) -> str:
     if local.is_dir():
         return (
             f"source.path {local} is a directory, but the model's format wants a file; set "

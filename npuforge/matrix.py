@@ -77,6 +77,12 @@ def _choose(kind: str, selection, registry: dict, where: str) -> list[str]:
     ids = parse_selection(selection)
     if not ids:
         raise NpuforgeError(f"no {kind} selected; set {kind}=<id> (valid: {', '.join(registry)})")
+    listed = selection if isinstance(selection, list | tuple) else str(selection).split(",")
+    if len(ids) < len(listed):
+        raise NpuforgeError(
+            f"{kind}={selection!r} has a blank item; remove the extra comma (e.g. "
+            f"{kind}={','.join(ids)})"
+        )
     if ids == ["all"]:
         return list(registry)
     for item in ids:

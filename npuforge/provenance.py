@@ -122,8 +122,15 @@ def check_arch(model_id: str, arch: dict, info: dict) -> None:
 
 def check_models(models: dict, paths: dict) -> None:
     """Every pin of the selected models; ``paths``: model id -> (fetched checkpoint, record)."""
+    from npuforge.fetch import wrong_kind
+
     for model_id in sorted(paths):
         entry = models[model_id]
         if "path" in entry["source"]:
-            check_path_source(model_id, entry["source"]["path"], entry.get("sha256"))
+            local = Path(entry["source"]["path"])
+            # A directory where the format wants a file (or the reverse) is that, not a
+            # changed file: say so before hashing it.
+            if local.exists() and local.is_dir() != (entry.get("format") == "hf"):
+                raise NpuforgeError(f"model {model_id}: {wrong_kind(local)}")
+            check_path_source(model_id, local, entry.get("sha256"))
         check_fetched(model_id, *paths[model_id])

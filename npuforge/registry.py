@@ -54,6 +54,20 @@ def load_yaml(path) -> dict:
     return copy.deepcopy(data)
 
 
+def check_configfiles(paths) -> None:
+    """The user's --configfile files (Snakemake has read them, keeping the last of two equal
+    keys): the same duplicate-key check as the registry files."""
+    for path in paths:
+        try:
+            yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        except yaml.constructor.ConstructorError as err:
+            raise NpuforgeError(
+                f"--configfile {path}: {_first_line(err)}; keep one of the two"
+            ) from err
+        except (OSError, yaml.YAMLError):
+            pass  # Snakemake read it already; nothing more to say
+
+
 def _first_line(err) -> str:
     mark = getattr(err, "problem_mark", None)
     if getattr(err, "problem", None) and mark is not None:

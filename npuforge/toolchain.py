@@ -16,6 +16,7 @@ This module is imported while Snakemake parses the workflow: keep it free of
 heavy imports.
 """
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -36,6 +37,7 @@ RUNTIMES = ("native", "podman", "docker")
 # Debian's package of each engine (Debian's "docker" is a window-manager dock).
 DEBIAN_PACKAGES = {"podman": "podman", "docker": "docker.io"}
 CONTAINER_RUNTIMES = ("podman", "docker")
+ARCH_TEMPLATE = {"podman": "{{.Host.Arch}}", "docker": "{{.Architecture}}"}
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where the python of a toolchain image lives; every Containerfile puts its venv here.
@@ -85,7 +87,8 @@ def _engine_problem(engine: str) -> str | None:
         )
     try:
         probe = subprocess.run(
-            [engine, "info", "--format", "{{.Host.Arch}}" if engine == "podman" else "{{.Arch}}"],
+            # podman's and docker's info structs name the architecture differently
+            [engine, "info", "--format", ARCH_TEMPLATE.get(engine, "{{.Architecture}}")],
             capture_output=True,
             text=True,
             timeout=60,
@@ -342,14 +345,47 @@ def seccomp_profile(default_profile=PODMAN_DEFAULT_SECCOMP) -> Path | None:
     return path
 
 
+# Container jobs never run as root: a root caller's jobs run as Debian's "nobody".
+UNPRIVILEGED_UID = UNPRIVILEGED_GID = 65534
+
+
+def job_user() -> tuple[int, int]:
+    """The uid and gid a container job runs as: the caller's, unless the caller is root."""
+    uid, gid = os.getuid(), os.getgid()
+    return (UNPRIVILEGED_UID, UNPRIVILEGED_GID) if uid == 0 else (uid, gid)
+
+
+def _chown_tree(paths, uid: int, gid: int) -> None:
+    for top in paths:
+        os.lchown(top, uid, gid)
+        for parent, dirs, files in os.walk(top):
+            for name in dirs + files:
+                os.lchown(os.path.join(parent, name), uid, gid)
+
+
+@contextlib.contextmanager
+def lent_to_job_user(writable):
+    """The job's writable directories (private stage directories of one job) belong to the
+    job's uid while it runs, and to the caller again afterwards, whatever the outcome."""
+    owner, caller = job_user(), (os.getuid(), os.getgid())
+    if owner == caller:
+        yield
+        return
+    _chown_tree(writable, *owner)
+    try:
+        yield
+    finally:
+        _chown_tree(writable, *caller)
+
+
 def container_command(stamp, job_script, spec_path, *, read_only=(), writable=(), env=None):
     """The engine command line that runs one job; pure, so tests can check it."""
     engine = stamp["runtime"]
     job_script = Path(job_script).resolve()
     spec_path = Path(spec_path).resolve()
     cmd = [engine, "run", "--rm", "--network=none", "--tmpfs", "/tmp", "--workdir", "/tmp"]
-    uid, gid = os.getuid(), os.getgid()
-    if engine == "podman" and uid != 0:
+    uid, gid = job_user()
+    if engine == "podman" and os.getuid() != 0:
         cmd += ["--userns=keep-id"]
     cmd += ["--user", f"{uid}:{gid}", "-e", "HOME=/tmp"]
     profile = seccomp_profile() if engine == "podman" else None
@@ -437,8 +473,12 @@ def run_job(
             stamp, job_script, spec_path, read_only=read_only, writable=writable, env=env
         )
         full_env = None
+    lent = writable if stamp["runtime"] in CONTAINER_RUNTIMES else ()
     # Toolkits drop debug files into their working directory: give them a scratch one.
-    with tempfile.TemporaryDirectory(prefix="npuforge-job-") as scratch:
+    with (
+        tempfile.TemporaryDirectory(prefix="npuforge-job-") as scratch,
+        lent_to_job_user([Path(p).resolve() for p in lent]),
+    ):
         returncode, output = _run_reporting(cmd, full_env, scratch, f"{stamp['backend']} job")
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,12 @@ from npuforge.matrix import (
     parse_selection,
 )
 from npuforge.provenance import check_models
-from npuforge.registry import check_registries, load_registries, model_weights
+from npuforge.registry import (
+    check_configfiles,
+    check_registries,
+    load_registries,
+    model_weights,
+)
 from npuforge.schema import validate
 from npuforge.settings import check_calibration_text, results_dir
 
@@ -54,6 +59,7 @@ def _stop(err):
 
 
 try:
+    check_configfiles(workflow.overwrite_configfiles or [])
     validate(config, f"{SCHEMAS}/config.schema.yaml", "config", VALIDATED)
     RESULTS = results_dir(config["results"])
     MODELS, TARGETS = load_registries(config, workflow.basedir)

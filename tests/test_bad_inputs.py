@@ -83,6 +83,10 @@ CASES = {
         "says": "does not support precision 'fp16'",
     },
     "empty selection": {"config": ["model=,"], "says": "no model selected"},
+    "blank item in a comma list": {
+        "config": ["model=rwkv7-demo,,rwkv7-tiny"],
+        "says": "model='rwkv7-demo,,rwkv7-tiny' has a blank item; remove the extra comma",
+    },
     "results is the filesystem root": {"config": ["results=/"], "says": "is the filesystem root"},
     "results is empty": {"config": ["results="], "says": "config.results is empty"},
     "results under a regular file": {
@@ -176,13 +180,63 @@ CASES = {
         "config": ["models_registry=@TMP@/models.yaml"],
         "says": "duplicate key 'rwkv7-demo' at line",
     },
+    "sha256 mismatch on a path source": {
+        "files": {"x.pth": b"weights"},
+        "configfile": {"models": {"m": tiny(source={"path": "@TMP@/x.pth"}, sha256="b" * 64)}},
+        "config": ["model=m"],
+        "says": f"but the registry pins {'b' * 64}",
+    },
+    "path source is a directory, format pth": {
+        "files": {"adir": None},
+        "configfile": {"models": {"m": tiny(source={"path": "@TMP@/adir"}, sha256="b" * 64)}},
+        "config": ["model=m"],
+        "says": "is a directory, but the model's format wants a file",
+    },
+    "path source is a file, format hf": {
+        "files": {"x.pth": b"weights"},
+        "configfile": {
+            "models": {"m": tiny(source={"path": "@TMP@/x.pth"}, sha256="b" * 64, format="hf")}
+        },
+        "config": ["model=m"],
+        "says": "is a file, but format hf wants a model directory",
+    },
+    "duplicate key in a --configfile": {
+        "configfile": (
+            "models:\n  rwkv7-tiny: {context_length: 512}\n  rwkv7-tiny: {context_length: 256}\n"
+        ),
+        "config": ["model=rwkv7-tiny"],
+        "says": "duplicate key 'rwkv7-tiny' at line 3",
+    },
+    "results on a read-only filesystem": {
+        "read_only_mount": "ro",
+        "config": ["results=@TMP@/ro/results"],
+        "says": "is not writable (read-only filesystem or permissions)",
+    },
+    "docker installed, its daemon not running": {
+        "config": ["target=RK3588", "toolchain_runtime=docker"],
+        "says": "Cannot connect to the Docker daemon",
+        "skip_unless": lambda: docker_without_daemon(),
+    },
     "docker not installed": {
         "config": ["target=RK3588", "toolchain_runtime=docker"],
         "env": {"PATH": "/usr/bin:/bin"},
-        "says": "docker",
+        # Debian's package "docker" is a window manager's dock; the engine is docker.io.
+        "says": "container engine 'docker' is not installed: install it (Debian: apt-get "
+        "install docker.io)",
         "needs_absent": "docker",
     },
 }
+
+
+def docker_without_daemon():
+    """None when a docker CLI is installed and no daemon answers it, else why not."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        return "docker is not installed here"
+    if subprocess.run(["docker", "version"], capture_output=True).returncode == 0:
+        return "a docker daemon is running here"
+    return None
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -195,6 +249,8 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
     if case.get("needs") and toolchain.unavailable_reason(case["needs"], "native", {
         "target_platform": "rk3588"}):  # fmt: skip
         pytest.skip(f"needs the {case['needs']} toolchain to plan the target")
+    if case.get("skip_unless") and case["skip_unless"]():
+        pytest.skip(case["skip_unless"]())
     env = None
     if "env" in case:
         from conftest import script_env
@@ -205,7 +261,21 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
         ):
             pytest.skip(f"{case['needs_absent']} is installed under {case['env']['PATH']}")
     args = files_for(case, workflow, tmp_path)
-    result = snakemake(workflow, "--dry-run", *args, env=env)
+    if case.get("read_only_mount"):
+        mount_point = tmp_path / case["read_only_mount"]
+        mount_point.mkdir()
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount_point)],
+            capture_output=True,
+            text=True,
+        )
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
+    try:
+        result = snakemake(workflow, "--dry-run", *args, env=env)
+    finally:
+        if case.get("read_only_mount"):
+            subprocess.run(["umount", str(mount_point)], check=True)
     assert result.returncode != 0, result.stdout[-2000:]
     lines = [
         line
@@ -218,6 +288,16 @@ def test_bad_input_is_one_clean_line(name, workflow, tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workflow / "results").exists()
     assert not os.path.exists(tmp_path / "afile" / "results")
+
+
+def test_results_under_the_home_directory_is_expanded_not_a_directory_named_tilde(
+    tmp_path, monkeypatch
+):
+    from npuforge.settings import results_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert results_dir("~/npu-out") == f"{tmp_path}/npu-out"
+    assert results_dir("~/npu-out/") == f"{tmp_path}/npu-out"
 
 
 # --------------------------------------------------------------------------- found by jobs
@@ -360,6 +440,10 @@ RUN_CASES = {
             "safetensors",
         ),
         "says": "lies outside the file",
+    },
+    "format safetensors for a torch checkpoint": {
+        "model": lambda tmp: path_model(tmp, "f.pth", synthetic_pth(tmp / "f0.pth"), "safetensors"),
+        "says": "it is a torch zip checkpoint: set format: pth",
     },
     "checkpoint dims disagree with arch": {
         "model": lambda tmp: path_model(

@@ -4,7 +4,7 @@ CI runs a few seeded trials; bench/reliability.py runs many (N >= 20).
 """
 
 import pytest
-from crash_trials import run_trials
+from crash_trials import run_fetch_trials, run_trials
 
 from npuforge import toolchain
 
@@ -18,6 +18,18 @@ def test_killed_onnx_builds_resume_to_identical_bytes(tmp_path):
         assert trial.resumed, trial
         assert trial.identical, trial
         assert trial.leftovers == [], trial
+
+
+@pytest.mark.slow
+def test_fetches_killed_inside_the_hf_download_resume_to_identical_bytes(tmp_path):
+    # Seed 3 puts both kills inside the 2 s download (0.59 and 1.36 s in). The runs stop
+    # after the fetch; bench/reliability.py runs whole builds.
+    trials = run_fetch_trials(tmp_path, count=2, seed=3, whole_build=False)
+    for trial in trials:
+        assert trial.resumed and trial.identical and trial.leftovers == [], trial
+        assert "fetch" in trial.stage.split(","), trial
+    # The kills left partial downloads in the HF cache, and no rerun trusted them.
+    assert any(trial.partial_downloads for trial in trials), trials
 
 
 @pytest.mark.slow

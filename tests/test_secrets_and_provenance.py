@@ -17,6 +17,9 @@ from conftest import REPO, copy_workflow, script_env
 from crash_trials import release_digests
 from test_fetch import COMMIT, PRIVATE_REPO, REPO_FILES, TOKEN, HubHandler, hf_env, loopback_server
 
+from npuforge import toolchain
+from npuforge.errors import NpuforgeError
+
 TINY = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
 
 
@@ -27,12 +30,12 @@ def tiny_checkpoint(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def build(wf: Path, entry: dict, env: dict) -> Path:
+def build(wf: Path, entry: dict, env: dict, target="onnx") -> Path:
     (wf / "extra.yaml").write_text(yaml.safe_dump({"models": {"m": entry}}))
     results = wf / "results"
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "extra.yaml",
-         "--config", "model=m", "target=onnx", f"results={results}"],
+         "--config", "model=m", f"target={target}", f"results={results}"],
         cwd=wf, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -54,7 +57,25 @@ def every_byte_written(*roots: Path):
                 yield Path(f"{path}:gunzip"), gzip.decompress(data)
 
 
-def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
+RKNN_NATIVE = toolchain.unavailable_reason("rknn", "native", {"target_platform": "rk3588"})
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "onnx",
+        # A vendor build too: a native toolchain job inherits the environment, token included.
+        pytest.param(
+            "RK3588",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.toolchain,
+                pytest.mark.skipif(RKNN_NATIVE is not None, reason=f"rknn: {RKNN_NATIVE}"),
+            ],
+        ),
+    ],
+)
+def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path, target):
     data = tiny_checkpoint(tmp_path / "tiny.pth")
     REPO_FILES[PRIVATE_REPO]["tiny.pth"] = data
     try:
@@ -68,7 +89,7 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
             wf = copy_workflow(tmp_path / "wf")
-            results = build(wf, entry, env)
+            results = build(wf, entry, env, target)
             seen = list(HubHandler.requests_seen)
     finally:
         REPO_FILES[PRIVATE_REPO].pop("tiny.pth")
@@ -78,6 +99,8 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path):
         assert TOKEN.encode() not in content, f"HF_TOKEN written to {path}"
         checked += 1
     assert checked > 20 and any(results.rglob("manifest.json")) and any(results.rglob("*.log"))
+    if target == "RK3588":
+        assert any(results.rglob("*.rknn")) and any(results.rglob("compile.json"))
 
 
 def test_a_manifest_names_no_path_and_travels_between_machines(tmp_path):
@@ -108,18 +131,25 @@ def test_a_manifest_names_no_path_and_travels_between_machines(tmp_path):
     assert release_digests(results_a) == release_digests(results_b)
 
 
-def test_container_jobs_cannot_write_inputs_reach_the_network_or_run_as_another_user(tmp_path):
-    from npuforge import toolchain
+def rknn_podman_reason():
+    return toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"})
 
-    image = toolchain.image_name("rknn")
-    if toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"}):
-        pytest.skip("podman is not usable here")
-    if subprocess.run(["podman", "image", "exists", image]).returncode != 0:
-        pytest.skip(f"no {image} (built by the first RK3588 podman build)")
+
+@pytest.mark.toolchain
+@pytest.mark.skipif(rknn_podman_reason() is not None, reason=f"podman: {rknn_podman_reason()}")
+def test_container_jobs_cannot_write_inputs_or_open_a_socket_and_never_run_as_root(tmp_path):
+    """A real job in the rknn image (built here if missing, as the first RK3588 podman
+    build would) tries to write its input and to open a socket; it runs as a non-root uid
+    even when the caller is root, and its outputs belong to the caller afterwards."""
+    stamp = tmp_path / "stamp.json"
+    toolchain.prepare("rknn", "podman", stamp, target_options={"target_platform": "rk3588"},
+                      log_path=tmp_path / "prepare.log")  # fmt: skip
     jobs, inputs, out = tmp_path / "jobs", tmp_path / "inputs", tmp_path / "out"
     for d in (jobs, inputs, out):
         d.mkdir()
-    (inputs / "model.onnx").write_bytes(b"weights")
+    model = inputs / "model.onnx"
+    model.write_bytes(b"weights")
+    model.chmod(0o666)  # only the read-only mount stands between the job and this file
     (jobs / "probe.py").write_text(
         "import json, os, socket, sys\n"
         "spec = json.load(open(sys.argv[1]))\n"
@@ -129,30 +159,38 @@ def test_container_jobs_cannot_write_inputs_reach_the_network_or_run_as_another_
         "    seen['wrote_input'] = True\n"
         "except OSError as err:\n"
         "    seen['wrote_input'] = err.strerror\n"
-        "try:\n"
-        "    socket.create_connection(('1.1.1.1', 53), timeout=3).close()\n"
-        "    seen['network'] = True\n"
-        "except OSError as err:\n"
-        "    seen['network'] = str(err)\n"
+        "for name, address in (('internet', ('1.1.1.1', 53)), ('host', ('10.0.2.2', 22))):\n"
+        "    try:\n"
+        "        socket.create_connection(address, timeout=3).close()\n"
+        "        seen[name] = True\n"
+        "    except OSError as err:\n"
+        "        seen[name] = err.strerror or str(err)\n"
         "seen['interfaces'] = sorted(n for _, n in socket.if_nameindex())\n"
-        "json.dump(seen, open(os.path.join(spec['out'], 'seen.json'), 'w'))\n"
+        "os.mkdir(os.path.join(spec['out'], 'made'))\n"
+        "json.dump(seen, open(os.path.join(spec['out'], 'made', 'seen.json'), 'w'))\n"
     )
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"input": str(inputs), "out": str(out)}))
-    stamp = tmp_path / "stamp.json"
-    stamp.write_text(json.dumps({"backend": "rknn", "runtime": "podman", "image": image}))
     toolchain.run_job(stamp, jobs / "probe.py", spec, read_only=[inputs], writable=[out])
-    seen = json.loads((out / "seen.json").read_text())
-    assert seen["wrote_input"] is not True, seen
-    assert (inputs / "model.onnx").read_bytes() == b"weights"
-    assert seen["network"] is not True and seen["interfaces"] == ["lo"], seen
-    assert (seen["uid"], seen["gid"]) == (os.getuid(), os.getgid()), seen
-    assert (out / "seen.json").stat().st_uid == os.getuid()
-    if os.getuid() == 0:
-        pytest.skip(
-            "run as root here: jobs run as the caller's uid, which is root; rerun as a user"
-        )
-    assert seen["uid"] != 0
+    seen = json.loads((out / "made" / "seen.json").read_text())
+    assert seen["wrote_input"] == "Read-only file system", seen
+    assert model.read_bytes() == b"weights"
+    assert seen["internet"] is not True and seen["host"] is not True, seen
+    assert seen["interfaces"] == ["lo"], seen
+    assert seen["uid"] != 0 and seen["gid"] != 0, seen
+    assert (seen["uid"], seen["gid"]) == toolchain.job_user(), seen
+    for made in (out, out / "made", out / "made" / "seen.json"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (os.getuid(), os.getgid()), made
+
+    # A failing job hands its directories back too.
+    (jobs / "fail.py").write_text(
+        "import json, os, sys\n"
+        "open(os.path.join(json.load(open(sys.argv[1]))['out'], 'partial'), 'w').write('x')\n"
+        "sys.exit('error: the compiler gave up')\n"
+    )
+    with pytest.raises(NpuforgeError, match="the compiler gave up"):
+        toolchain.run_job(stamp, jobs / "fail.py", spec, read_only=[inputs], writable=[out])
+    assert (out / "partial").stat().st_uid == os.getuid()
 
 
 def test_every_torch_load_is_weights_only():

@@ -180,7 +180,9 @@ def test_container_command_isolates_the_job(tmp_path):
     )
     assert cmd[:3] == ["podman", "run", "--rm"]
     assert "--network=none" in cmd
-    assert cmd[cmd.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
+    uid, gid = toolchain.job_user()
+    assert cmd[cmd.index("--user") + 1] == f"{uid}:{gid}"
+    assert uid != 0 and gid != 0
     volumes = [cmd[i + 1] for i, part in enumerate(cmd) if part == "--volume"]
     assert f"{tmp_path / 'in'}:{tmp_path / 'in'}:ro" in volumes
     assert f"{tmp_path / 'out'}:{tmp_path / 'out'}:rw" in volumes
@@ -192,6 +194,24 @@ def test_container_command_isolates_the_job(tmp_path):
         str(tmp_path / "spec.json"),
     ]
     assert "MALLOC_PERTURB_=0" in cmd
+
+
+def test_a_root_caller_lends_the_job_its_writable_directories_and_gets_them_back(tmp_path):
+    if os.getuid() != 0:
+        assert toolchain.job_user() == (os.getuid(), os.getgid())
+        pytest.skip("not root here: container jobs run as the caller, nothing is lent")
+    stage = tmp_path / "stage"
+    (stage / "sub").mkdir(parents=True)
+    (stage / "sub" / "spec.json").write_text("{}")
+
+    def owners():
+        return {(p.stat().st_uid, p.stat().st_gid) for p in [stage, *stage.rglob("*")]}
+
+    with pytest.raises(RuntimeError), toolchain.lent_to_job_user([stage]):
+        assert owners() == {toolchain.job_user()}
+        (stage / "sub" / "out.bin").write_bytes(b"x")
+        raise RuntimeError("the job failed")
+    assert owners() == {(0, 0)}
 
 
 def test_seccomp_profile_adds_only_the_no_randomize_personality(tmp_path):
