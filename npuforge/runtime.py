@@ -123,6 +123,7 @@ class GraphChain:
 
             self.embedding = read_embedding_bin(self.dir / self.meta["embedding"]["file"])
         self._np = np
+        self._start = initial_state(self.dir, self.meta)
         self.reset()
 
     @property
@@ -141,8 +142,6 @@ class GraphChain:
                 f"--batch {batch}"
             )
         self.position = 0
-        if not hasattr(self, "_start"):
-            self._start = initial_state(self.dir, self.meta)
         self.state = {name: value.copy() for name, value in self._start.items()}
 
     def step(self, tokens):

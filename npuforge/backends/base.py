@@ -298,15 +298,14 @@ def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
         call_ids = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
         call_ids = np.repeat(call_ids, int(export.meta.get("batch", 1)), axis=0)
         arrays = {}
-        start = initial_state(export.dir, export.meta) if number == 0 else {}
+        # The first call starts from the precomputed prefix rows, not zeros.
+        prefixed = number == 0 and export.meta.get("kv_prefix")
+        start = initial_state(export.dir, export.meta) if prefixed else {}
         for index, graph in enumerate(export.graphs):
             feeds = host_feeds(export.meta, graph, call_ids, call.position, tables[call.variant])
+            names = [spec["name"] for spec in graph["inputs"]]
+            feeds.update({name: start[name] for name in names if name in start})
             arrays.update({f"chunk{index}/{name}": value for name, value in feeds.items()})
-            if export.meta.get("kv_prefix"):
-                # The first call starts from the precomputed prefix rows, not zeros.
-                for spec in graph["inputs"]:
-                    if spec["name"] in start:
-                        arrays[f"chunk{index}/{spec['name']}"] = start[spec["name"]]
         path = (Path(work_dir) / f"verify_call{number:04d}.npz").resolve()
         np.savez(path, **arrays)
         # Absolute: the job runs in a scratch directory of its own (or a container).
