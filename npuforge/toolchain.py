@@ -54,12 +54,13 @@ def native_venv(backend: str, repo_root=None) -> Path:
 
 
 def env_hash(backend: str, repo_root=None) -> str:
-    """Content hash of envs/<backend>/: names the image and the venv, so an edit rebuilds."""
+    """Content hash of envs/<backend>/ (its lock, Containerfile, versions.py; not its docs):
+    names the image and the venv, so an edit rebuilds and a README edit does not."""
     root = env_dir(backend, repo_root)
     if not root.is_dir():
         raise NpuforgeError(f"no toolchain definition for backend '{backend}': expected {root}/")
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix != ".md"):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
@@ -157,6 +158,21 @@ def _run(cmd, *, log, env=None, what):
         raise NpuforgeError(f"{what} failed (exit {result.returncode}): see {log.name}")
 
 
+class _Tee:
+    """Writes to several text streams at once (a build log and the step's output)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
 def _pip_environment() -> dict:
     """The host's pip settings that a build needs to reach the registry as set up here."""
     keep = (
@@ -217,12 +233,17 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
             try:
                 _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
                 env = {**os.environ, **_pip_environment()}
-                _run(
-                    [python, "-m", "pip", "install", "--no-input", "--no-deps", "-r", lock],
-                    log=log,
-                    env=env,
-                    what=f"installing {lock}",
+                # Minutes for a large lock (TPU-MLIR's: ~4 GB): pip's lines go to the step's
+                # output too, with a line every 10 s while pip is quiet.
+                install = [python, "-m", "pip", "install", "--no-input", "--no-deps"]
+                install += ["--no-cache-dir", "-r", lock]
+                log.write(f"$ {' '.join(map(str, install))}\n")
+                log.flush()
+                code, _ = _run_reporting(
+                    install, env, None, f"installing {lock.name}", out=_Tee(log, sys.stdout)
                 )
+                if code != 0:
+                    raise NpuforgeError(f"installing {lock} failed (exit {code}): see {log.name}")
             except BaseException:
                 shutil.rmtree(venv, ignore_errors=True)
                 raise

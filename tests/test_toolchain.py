@@ -72,6 +72,10 @@ def test_env_hash_follows_content(tmp_path):
     (env / "requirements.lock").write_text("numpy==2.0.0\n")
     assert toolchain.env_hash("toy", tmp_path) != before
     assert toolchain.image_name("toy", tmp_path).endswith(":" + toolchain.env_hash("toy", tmp_path))
+    # Docs beside the lock do not rebuild a venv of several GB.
+    edited = toolchain.env_hash("toy", tmp_path)
+    (env / "README.md").write_text("measured 11 min\n")
+    assert toolchain.env_hash("toy", tmp_path) == edited
 
 
 def test_unknown_backend_and_runtime_are_one_line_errors(tmp_path):

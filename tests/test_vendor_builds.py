@@ -2,6 +2,7 @@
 
     snakemake --cores all --config target=RK3588 toolchain_runtime=podman
     snakemake --cores all --config target=SM8650      # fp16 and a16w8
+    snakemake --cores all --config target=BM1684X,BM1688   # f16 combined bmodels
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
 with the real vendor compiler, verifies on the vendor's simulator and packages a
@@ -12,7 +13,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import snakemake
+from conftest import script_env, snakemake
 
 from npuforge import toolchain
 
@@ -143,3 +144,53 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
     errors = [line for line in output.splitlines() if line.startswith("error: SM8650 fp16")]
     assert len(errors) == 1 and "top-1 agreement" in errors[0], output[-3000:]
     assert not (results / "release").exists()
+
+
+TPUMLIR_NATIVE = toolchain.unavailable_reason("tpumlir", "native", target_options("BM1684X"))
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(TPUMLIR_NATIVE is not None, reason=f"tpumlir native: {TPUMLIR_NATIVE}")
+def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflow):
+    """The first run on a fresh machine also builds the TPU-MLIR venv from the lock."""
+    from npuforge.backends.tpumlir import FLOORS
+
+    both = ("--config", "target=BM1684X,BM1688")
+    env = script_env(SOURCE_DATE_EPOCH=None)  # the pinned build time defaults to the epoch
+    snakemake(workflow, *both, check=True, env=env)
+    digests = {}
+    for target in ("BM1684X", "BM1688"):
+        bundle = bundle_of(workflow, target, "f16")
+        compiled = check_bundle(bundle)["compile"]
+        assert compiled["toolchain"]["runtime"] == "native"
+        assert compiled["toolchain"]["versions"]["tpu_mlir"] == "1.30.2"
+        assert compiled["options"]["processor"] == target.lower()
+        assert compiled["options"]["quantize"] == "F16"
+        binary = [a for a in compiled["artifacts"] if a["role"] == "binary"]
+        assert len(binary) == 1 and binary[0]["nets"] == ["decode", "prefill"]
+        # One prefill call then decode calls on the cmodel, against onnxruntime fp32.
+        figures = compiled["verification"]
+        assert figures["passed"] is True and figures["nan_inf"] == 0
+        assert figures["calls"]["prefill"] == 1 and figures["calls"]["decode"] >= 32
+        assert figures["floors"] == FLOORS["f16"] and figures["positions"] >= 64
+        assert figures["prefill"]["cosine"] >= FLOORS["f16"]["min_cosine"]
+        assert figures["decode"]["cosine"] >= FLOORS["f16"]["min_cosine"]
+        # Every TPU-MLIR check ran and printed figures: ONNX vs top, top vs tpu, tpu vs bmodel.
+        assert figures["tpumlir"]["passed"] is True and figures["tpumlir"]["cosine"] >= 0.99
+        for net in ("decode", "prefill"):
+            assert len(figures["tpumlir"]["similarity"][f"{net}:model_transform"]) == 1
+            assert len(figures["tpumlir"]["similarity"][f"{net}:model_deploy"]) == 2
+        # The build time model_tool writes is pinned, so the bytes depend on the graphs only.
+        assert binary[0]["build_time"] == "Thu Jan  1 00:00:00 1970"
+        digests[target] = sha256s(bundle, ".bmodel")
+        assert digests[target], f"no .bmodel in the {target} bundle"
+    assert digests["BM1684X"] != digests["BM1688"]
+
+    again = snakemake(workflow, *both, check=True, env=env)
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    # A second compile of the same exports gives the same bytes (build time pinned).
+    one = ("--config", "target=BM1684X")
+    snakemake(workflow, *one, "--forcerun", "compile", check=True, env=env)
+    assert sha256s(bundle_of(workflow, "BM1684X", "f16"), ".bmodel") == digests["BM1684X"]

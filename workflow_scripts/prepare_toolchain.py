@@ -12,7 +12,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", required=True, help="rknn, qnn, tpumlir, ...")
     parser.add_argument("--runtime", required=True, choices=toolchain.RUNTIMES)
-    parser.add_argument("--target-options", default="{}", help="target options as JSON")
+    parser.add_argument(
+        "--target-options", help="a target's options as JSON (default: the backend's defaults)"
+    )
     parser.add_argument("--out", required=True, help="stamp JSON to write")
     parser.add_argument("--log", help="build log (default: next to the stamp)")
     args = parser.parse_args(argv)
@@ -20,7 +22,7 @@ def main(argv=None):
         args.backend,
         args.runtime,
         args.out,
-        target_options=json.loads(args.target_options),
+        target_options=json.loads(args.target_options) if args.target_options else None,
         log_path=args.log,
     )
 

@@ -79,10 +79,9 @@ class Options(base.CommonOptions):
     seed: int = 0
     # W4F16 weight group size (model_deploy --q_group_size).
     q_group_size: int = 64
-    # Native runtime: the CPython 3.10 to build the venv from, and the CPU torch wheel's
-    # directory; container runtime: the CPython 3.10 base image.
+    # Native runtime: the CPython 3.10 to build the venv from (default: $PYTHON310, then
+    # python3.10 on PATH, then pyenv's); container runtime: the CPython 3.10 base image.
     python: str | None = None
-    wheel_dir: str | None = None
     python310_image: str | None = None
     # Threads TPU-MLIR's tools may use.
     threads: int = 1

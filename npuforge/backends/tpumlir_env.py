@@ -1,5 +1,6 @@
-"""Finding what the TPU-MLIR toolchain needs on this host: CPython 3.10, a CPU torch for it,
-or a container base image. Cheap checks only: the workflow runs them while it parses.
+"""Finding what the TPU-MLIR toolchain needs on this host: CPython 3.10 (the native venv
+gets everything else from requirements.lock) or a container base image. Cheap checks
+only: the workflow runs them while it parses.
 """
 
 import functools
@@ -10,8 +11,8 @@ import subprocess
 
 from npuforge.errors import NpuforgeError
 
-# The torch build the lock pins (CPU); the native check looks for its wheel.
-TORCH_PIN = "2.11.0+cpu"
+# Names the CPython 3.10 to build the native venv from (before PATH and pyenv).
+PYTHON_ENV = "PYTHON310"
 PYTHON310_IMAGE = "docker.io/library/python:3.10-slim-bookworm"
 
 
@@ -27,10 +28,10 @@ def _python_candidates():
 def native_python(options) -> str:
     """The CPython 3.10 the native toolchain venv is built from.
 
-    ``python`` in the target options (or $NPUFORGE_TPUMLIR_PYTHON) names it; otherwise
-    the first python3.10 that runs, on PATH, under pyenv, or in /usr(/local)/bin.
+    ``python`` in the target options (or $PYTHON310) names it; otherwise the first
+    python3.10 that runs, on PATH, under pyenv, or in /usr(/local)/bin.
     """
-    named = getattr(options, "python", None) or os.environ.get("NPUFORGE_TPUMLIR_PYTHON")
+    named = getattr(options, "python", None) or os.environ.get(PYTHON_ENV)
     if named:
         return str(named)
     for candidate in _python_candidates():
@@ -42,7 +43,7 @@ def native_python(options) -> str:
 
 _NO_PYTHON = (
     "TPU-MLIR needs CPython 3.10 exactly and none was found: install one (e.g. 'pyenv install "
-    "3.10') and name it as 'python' in the target's options (or $NPUFORGE_TPUMLIR_PYTHON), or "
+    "3.10') and name it with $PYTHON310 (or 'python' in the target's options), or "
     "use a container runtime (toolchain_runtime=podman)"
 )
 
@@ -61,24 +62,6 @@ def _python_version(python: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _find_links_dirs(options) -> list[str]:
-    dirs = os.environ.get("PIP_FIND_LINKS", "").split()
-    if getattr(options, "wheel_dir", None):
-        dirs.append(str(options.wheel_dir))
-    return [d for d in dirs if os.path.isdir(d)]
-
-
-def torch_wheel(options) -> str | None:
-    """The CPU torch wheel for cp310 that the lock's pin can install offline, if any."""
-    version = TORCH_PIN.replace("+", "%2B")
-    for directory in _find_links_dirs(options):
-        for pattern in (f"torch-{TORCH_PIN}-cp310-*.whl", f"torch-{version}-cp310-*.whl"):
-            hits = sorted(glob.glob(os.path.join(directory, pattern)))
-            if hits:
-                return hits[0]
-    return None
-
-
 def _container_reason(runtime: str, options) -> str | None:
     from npuforge import toolchain
 
@@ -94,7 +77,7 @@ def _container_reason(runtime: str, options) -> str | None:
     return (
         f"the TPU-MLIR image needs a CPython 3.10 base image and {runtime} has none: "
         f"'{runtime} pull {base}' (or '{runtime} load' it where no registry is reachable), "
-        "then build with a CPU torch (envs/tpumlir/Containerfile explains the build args)"
+        "then prepare again (envs/tpumlir/Containerfile)"
     )
 
 
@@ -113,14 +96,6 @@ def unavailable_reason(runtime: str, options) -> str | None:
         found = f"Python {version}" if version else "not runnable"
         return (
             f"TPU-MLIR needs CPython 3.10 exactly but {python} is {found}: name a 3.10 "
-            "interpreter as 'python' in the target's options (or $NPUFORGE_TPUMLIR_PYTHON)"
-        )
-    if torch_wheel(options) is None:
-        return (
-            f"TPU-MLIR's ONNX front end imports torch, and no CPU build torch=={TORCH_PIN} "
-            "for cp310 was found (PyPI's Linux torch is a multi-GB CUDA build): download "
-            "that wheel from the PyPI-compatible PyTorch CPU index into a directory named by "
-            "PIP_FIND_LINKS (or 'wheel_dir' in the target's options), or use "
-            "toolchain_runtime=podman"
+            "interpreter with $PYTHON310 (or 'python' in the target's options)"
         )
     return None

@@ -123,7 +123,7 @@ def missing_frontend() -> str | None:
     if importlib.util.find_spec("torch") is None:
         return (
             "torch is not installed in the TPU-MLIR environment (its ONNX front end imports "
-            "it): install the CPU build the lock pins (envs/tpumlir/requirements.lock)"
+            "it): prepare the toolchain again from envs/tpumlir/requirements.lock"
         )
     return None
 
@@ -138,7 +138,10 @@ def run(spec: dict) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     env = tool_environment(int(spec.get("threads", 1)))
     result = {"versions": versions(), "steps": []}
+    total = len(spec["steps"]) + bool(spec.get("verify"))
     for index, step in enumerate(spec["steps"]):
+        # The tools write to their own logs: say which one runs, for the step's log.
+        print(f"TPU-MLIR step {index + 1}/{total}: {step['name']}", flush=True)
         Path(step["cwd"]).mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{index:02d}_{step['name'].replace(':', '_')}.log"
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
@@ -175,6 +178,7 @@ def run(spec: dict) -> dict:
     verify = spec.get("verify")
     if verify:
         index = len(spec["steps"])
+        print(f"TPU-MLIR step {index + 1}/{total}: the bmodel on the cmodel", flush=True)
         log_path = logs / f"{index:02d}_verify_cmodel.log"
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
             argv = [sys.executable, os.path.abspath(__file__), "--verify", spec["spec_path"]]
