@@ -47,6 +47,10 @@ QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "i
 PRECISIONS = tuple(QUANTIZE)
 CALIBRATED = frozenset({"int8"})
 PROCESSORS = ("bm1684x", "bm1688")
+# The cmodel check feeds and compares one sequence's calls (the job reads each net's
+# logits as [tokens, vocab]), so a batch-2 bmodel would go out unverified: refused
+# when the matrix is planned (npuforge.matrix.check_batch).
+MAX_BATCH = 1
 # model_deploy.py's own --tolerance defaults per --quantize (tpu_mlir 1.30.2,
 # ModelDeploy.__init__): "cos,euclid" floors for every tensor it compares.
 DEFAULT_TOLERANCE = {
