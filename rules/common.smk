@@ -254,15 +254,24 @@ def compile_inputs(wildcards):
     return inputs
 
 
-def compile_optional_args(wildcards, input):
-    args = []
-    if "calibration" in input.keys():
-        args += [f"--calibration {d}" for d in input.calibration]
+def compile_args(wildcards, input):
+    # One params callable per rule: Snakemake inspects the signature of every callable
+    # of every job, which is most of the planning time of a big release matrix.
+    target = TARGETS[wildcards.target]
+    args = ["--backend", target["backend"]]
+    for export in input.exports:
+        args += ["--export", export]
+    for calibration in input.get("calibration", []):
+        args += ["--calibration", calibration]
     if "toolchain" in input.keys():
-        args.append(f"--toolchain {input.toolchain}")
+        args += ["--toolchain", input.toolchain]
     if "checkpoint" in input.keys():
-        args.append(f"--checkpoint {input.checkpoint}")
-    return " ".join(args)
+        args += ["--checkpoint", input.checkpoint]
+    args += ["--heldout", input.heldout, "--target", wildcards.target]
+    args += ["--target-options", as_json(target["options"])]
+    args += ["--precision", wildcards.precision]
+    args += ["--weights", model_weights(MODELS[wildcards.model])]
+    return shlex.join(args)
 
 
 def package_inputs(wildcards):
@@ -281,16 +290,22 @@ def package_inputs(wildcards):
     }
 
 
-def package_dequantize_arg(wildcards, input):
-    return (
-        f"--dequantize-record {input.dequantize_record}"
-        if input.dequantize_record
-        else ""
-    )
-
-
-def package_tokenizer_arg(wildcards, input):
-    return f"--tokenizer {input.tokenizer}" if input.tokenizer else "--no-tokenizer"
+def package_args(wildcards, input, output):
+    model, target = wildcards.model, wildcards.target
+    args = ["--model", model, "--model-entry", as_json(MODELS[model])]
+    args += ["--target", target, "--target-entry", as_json(TARGETS[target])]
+    args += ["--precision", wildcards.precision, "--compiled", input.compiled]
+    for export in input.exports:
+        args += ["--export", export]
+    for report in input.verify:
+        args += ["--export-verification", report]
+    args += ["--tokenizer", input.tokenizer] if input.tokenizer else ["--no-tokenizer"]
+    args += ["--fetch-record", input.fetch_record]
+    if input.dequantize_record:
+        args += ["--dequantize-record", input.dequantize_record]
+    args += ["--out-dir", str(Path(output.manifest).parent)]
+    args += ["--tarball", output.tarball]
+    return shlex.join(args)
 
 
 # Before any job: pinned inputs still match their pins (sources and fetched copies),
