@@ -51,10 +51,16 @@ def _link_target_exists(path: Path) -> bool:
     return not path.is_symlink() or path.resolve().exists()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open at once while choosing)."""
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def _tail(path: Path, lines=15) -> str:
@@ -124,13 +130,14 @@ class Cluster:
         for part in ("state", "spool", "log"):
             (self.root / part).mkdir()
         self.munge_socket = run_dir / "munge.socket"
+        controller_port, node_port = _free_ports(2)
         self.conf.write_text(
             "\n".join([
                 "ClusterName=npuforgetest",
                 f"SlurmctldHost={self.node}(127.0.0.1)",
                 "SlurmUser=root",
-                f"SlurmctldPort={_free_port()}",
-                f"SlurmdPort={_free_port()}",
+                f"SlurmctldPort={controller_port}",
+                f"SlurmdPort={node_port}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={self.munge_socket}",
