@@ -1,3 +1,4 @@
+import hashlib
 import json
 import shlex
 import sys
@@ -160,10 +161,19 @@ def calibration_text():
     return config["calibration"].get("text") or "data/calibration/text"
 
 
-def calibration_text_files():
-    # Declared as inputs so that editing a text reruns the calibration.
+def calibration_text_digest():
+    # The texts' content as a params value: editing a text reruns the calibration (and
+    # misses the output cache) without every text being an input file of every job.
     path = Path(calibration_text())
-    return sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        if file.is_file():
+            digest.update(
+                f"{file.relative_to(path) if path.is_dir() else file.name}\0".encode()
+            )
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def calibration_dir(model, key):

@@ -10,6 +10,7 @@ cannot host the test cluster. Accounting is off (no slurmdbd): job states come f
 slurmctld, which keeps finished jobs for MinJobAge seconds.
 """
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -39,6 +40,11 @@ def unavailable_reason() -> str | None:
         return (
             f"{', '.join(missing)} not installed (Debian's slurm-wlm and munge packages; "
             ".ci/run installs them via envs/base/setup-slurm.sh when run as root with apt)"
+        )
+    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+        return (
+            "snakemake-executor-plugin-slurm is not installed: rerun bash setup.sh now "
+            "that Slurm is installed (it installs envs/cluster/requirements.lock)"
         )
     if os.geteuid() != 0:
         return "slurmd must run as root to start jobs (run the test as root)"
