@@ -208,6 +208,39 @@ def test_max_scaled_norm_ranges_bound_the_fp16_safe_llama_norms_on_any_row(tmp_p
     assert max(extremes[first + "Div_2_output_0"]) == pytest.approx(root, rel=1e-3)
 
 
+def test_squares_become_mul_and_their_exponents_go():
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    three = helper.make_tensor("three", TensorProto.FLOAT, [], [3.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["exponent"], value=two),
+            helper.make_node("Pow", ["x", "exponent"], ["square"], name="square"),
+            helper.make_node("Pow", ["x", "three"], ["cube"], name="cube"),
+            helper.make_node("Add", ["square", "cube"], ["y"]),
+        ],
+        "squares",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])],
+        [three],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.array([-3.0, -1.5, -1e-3, 0.0, 0.5, 2.0], np.float32)
+    want = x**2 + x**3
+
+    assert qnn_job.squares_to_mul(model) == ["square"]
+    ops = [n.op_type for n in model.graph.node]
+    # Only the square changes; the cube keeps its exponent, the unused Constant is gone.
+    assert ops == ["Mul", "Pow", "Add"]
+    assert list(model.graph.node[0].input) == ["x", "x"]
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["y"], {"x": x})[0], want, rtol=1e-6)
+
+
 def test_row_matmuls_of_two_activations_become_mul_reducesum():
     import onnx
     import onnxruntime as ort

@@ -287,6 +287,34 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
     return rewritten
 
 
+def squares_to_mul(model) -> list[str]:
+    """Rewrite ``Pow(x, 2)`` as ``Mul(x, x)`` in place; returns the rewritten node names.
+
+    The quantizer treats a Constant node's output as an activation: the exponent 2
+    becomes a uint16 code whose range_margin-widened scale dequantizes it to
+    2.0000305, and onnxruntime's Pow of a negative base to a non-integer power is
+    NaN. On SmolLM2 that dropped the squares of every negative element inside the
+    RMSNorms (a16w8 CPU proxy: top-1 0.22, perplexity +15,600 %). A 16-bit Mul
+    has no exponent to quantize.
+    """
+    import numpy as np
+
+    constants = _constant_values(model)
+    rewritten = []
+    for node in model.graph.node:
+        exponent = node.input[1] if node.op_type == "Pow" and len(node.input) > 1 else None
+        if exponent in constants and np.all(constants[exponent] == 2):
+            node.op_type = "Mul"
+            node.input[1] = node.input[0]
+            rewritten.append(node.name or node.output[0])
+    # Constant nodes nothing reads any more (the exponents) would still be quantized.
+    read = {name for node in model.graph.node for name in node.input}
+    unused = [n for n in model.graph.node if n.op_type == "Constant" and n.output[0] not in read]
+    for node in unused:
+        model.graph.node.remove(node)
+    return rewritten
+
+
 def _constant_values(model) -> dict:
     """Name -> numpy value of every inline initializer (weights left in external data are
     not read) and Constant node output."""
@@ -618,9 +646,10 @@ def quantize_graph(
     model_path = str(preprocessed) if changed else source
     # Without external data loaded, weights stay references: shapes infer at any size.
     model = onnx.load(model_path, load_external_data=False)
+    squares = squares_to_mul(model)
     norm_ranges = max_scaled_norm_ranges(model)
     row_matmuls = row_matmuls_to_mul_reducesum(model)
-    if row_matmuls:
+    if row_matmuls or squares:
         rewritten = work / "rewritten.onnx"
         onnx.load_external_data_for_model(model, str(Path(model_path).parent))
         onnx.save(
@@ -685,6 +714,7 @@ def quantize_graph(
         ),
         "norm_parameters_kept_16bit": kept_norms,
         "norm_tensors_with_exact_ranges": len(norm_ranges),
+        "squares_as_mul": len(squares),
         # Two-activation MatMuls the HTP would run at 16x8 bits, now 16-bit Mul + ReduceSum.
         "row_matmuls_as_mul_reducesum": row_matmuls,
     }
