@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 lock=envs/main/requirements.lock
+# Where Slurm is installed, the executor plugin for profiles/slurm too.
+locks=("$lock")
+if command -v sbatch >/dev/null; then
+    locks+=(envs/cluster/requirements.lock)
+fi
 python=${PYTHON:-python3.11}
 if ! command -v "$python" >/dev/null; then
     python=python3
@@ -19,9 +24,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.npuforge-lock.sha256
-wanted=$(sha256sum "$lock" pyproject.toml | sha256sum | cut -d' ' -f1)
+wanted=$(sha256sum "${locks[@]}" pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-    .venv/bin/python -m pip install --quiet -r "$lock"
+    for each in "${locks[@]}"; do
+        .venv/bin/python -m pip install --quiet -r "$each"
+    done
     .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
     echo "$wanted" >"$stamp"
 fi

@@ -2,7 +2,6 @@ rule calibrate:
     input:
         export=f"{RESULTS}/export/{{model}}/{{key}}",
         checkpoint=lambda w: checkpoint_path(w.model),
-        texts=calibration_text_files(),
         software=MAIN_LOCK,
     output:
         directory(f"{RESULTS}/calibration/{{model}}/{{key}}"),
@@ -19,5 +18,6 @@ rule calibrate:
         steps=config["calibration"]["steps"],
         seed=config["calibration"]["seed"],
         text=lambda w: calibration_text(),
+        texts=calibration_text_digest(),
     shell:
         "python workflow_scripts/make_calibration_samples.py --export {input.export} --checkpoint {input.checkpoint} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"

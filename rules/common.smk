@@ -1,3 +1,4 @@
+import hashlib
 import json
 import shlex
 import sys
@@ -160,10 +161,19 @@ def calibration_text():
     return config["calibration"].get("text") or "data/calibration/text"
 
 
-def calibration_text_files():
-    # Declared as inputs so that editing a text reruns the calibration.
+def calibration_text_digest():
+    # The texts' content as a params value: editing a text reruns the calibration (and
+    # misses the output cache) without every text being an input file of every job.
     path = Path(calibration_text())
-    return sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        if file.is_file():
+            digest.update(
+                f"{file.relative_to(path) if path.is_dir() else file.name}\0".encode()
+            )
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def calibration_dir(model, key):
@@ -254,15 +264,24 @@ def compile_inputs(wildcards):
     return inputs
 
 
-def compile_optional_args(wildcards, input):
-    args = []
-    if "calibration" in input.keys():
-        args += [f"--calibration {d}" for d in input.calibration]
+def compile_args(wildcards, input):
+    # One params callable per rule: Snakemake inspects the signature of every callable
+    # of every job, which is most of the planning time of a big release matrix.
+    target = TARGETS[wildcards.target]
+    args = ["--backend", target["backend"]]
+    for export in input.exports:
+        args += ["--export", export]
+    for calibration in input.get("calibration", []):
+        args += ["--calibration", calibration]
     if "toolchain" in input.keys():
-        args.append(f"--toolchain {input.toolchain}")
+        args += ["--toolchain", input.toolchain]
     if "checkpoint" in input.keys():
-        args.append(f"--checkpoint {input.checkpoint}")
-    return " ".join(args)
+        args += ["--checkpoint", input.checkpoint]
+    args += ["--heldout", input.heldout, "--target", wildcards.target]
+    args += ["--target-options", as_json(target["options"])]
+    args += ["--precision", wildcards.precision]
+    args += ["--weights", model_weights(MODELS[wildcards.model])]
+    return shlex.join(args)
 
 
 def package_inputs(wildcards):
@@ -281,16 +300,22 @@ def package_inputs(wildcards):
     }
 
 
-def package_dequantize_arg(wildcards, input):
-    return (
-        f"--dequantize-record {input.dequantize_record}"
-        if input.dequantize_record
-        else ""
-    )
-
-
-def package_tokenizer_arg(wildcards, input):
-    return f"--tokenizer {input.tokenizer}" if input.tokenizer else "--no-tokenizer"
+def package_args(wildcards, input, output):
+    model, target = wildcards.model, wildcards.target
+    args = ["--model", model, "--model-entry", as_json(MODELS[model])]
+    args += ["--target", target, "--target-entry", as_json(TARGETS[target])]
+    args += ["--precision", wildcards.precision, "--compiled", input.compiled]
+    for export in input.exports:
+        args += ["--export", export]
+    for report in input.verify:
+        args += ["--export-verification", report]
+    args += ["--tokenizer", input.tokenizer] if input.tokenizer else ["--no-tokenizer"]
+    args += ["--fetch-record", input.fetch_record]
+    if input.dequantize_record:
+        args += ["--dequantize-record", input.dequantize_record]
+    args += ["--out-dir", str(Path(output.manifest).parent)]
+    args += ["--tarball", output.tarball]
+    return shlex.join(args)
 
 
 # Before any job: pinned inputs still match their pins (sources and fetched copies),

@@ -31,10 +31,6 @@ rule compile:
     resources:
         mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
     params:
-        backend=lambda w: TARGETS[w.target]["backend"],
-        options=lambda w: as_json(TARGETS[w.target]["options"]),
-        exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
-        optional=compile_optional_args,
-        weights=lambda w: model_weights(MODELS[w.model]),
+        args=compile_args,
     shell:
-        "python workflow_scripts/compile.py --backend {params.backend} {params.exports} {params.optional} --heldout {input.heldout} --target {wildcards.target} --target-options {params.options:q} --precision {wildcards.precision} --weights {params.weights} --out-dir {output} > {log} 2>&1"
+        "python workflow_scripts/compile.py {params.args} --out-dir {output} > {log} 2>&1"

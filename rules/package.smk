@@ -17,13 +17,6 @@ rule package:
     resources:
         mem_mb=1000,
     params:
-        model_entry=lambda w: as_json(MODELS[w.model]),
-        target_entry=lambda w: as_json(TARGETS[w.target]),
-        exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
-        verify=lambda w, input: " ".join(
-            f"--export-verification {f}" for f in input.verify
-        ),
-        tokenizer=package_tokenizer_arg,
-        dequantized=package_dequantize_arg,
+        args=package_args,
     shell:
-        "python workflow_scripts/package_release.py --model {wildcards.model} --model-entry {params.model_entry:q} --target {wildcards.target} --target-entry {params.target_entry:q} --precision {wildcards.precision} --compiled {input.compiled} {params.exports} {params.verify} {params.tokenizer} --fetch-record {input.fetch_record} {params.dequantized} --out-dir $(dirname {output.manifest}) --tarball {output.tarball} > {log} 2>&1"
+        "python workflow_scripts/package_release.py {params.args} > {log} 2>&1"

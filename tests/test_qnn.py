@@ -137,6 +137,110 @@ def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
     assert all(value == [{"quant_type": "U16"}] for value in overrides.values())
 
 
+def test_max_scaled_norm_ranges_bound_the_fp16_safe_llama_norms_on_any_row(tmp_path):
+    import math
+
+    import onnx
+    import onnxruntime as ort
+
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
+    from npuforge.runtime import GraphChain
+
+    embed = 32
+    dims = dict(layers=2, embed=embed, heads=4, kv_heads=2, vocab=50, intermediate=48)
+    llama_weights.write_synthetic_checkpoint(tmp_path / "ckpt", seed=3, arch="llama", **dims)
+    found = {}
+    for fixes in (True, False):
+        llama_export.export_llama(
+            tmp_path / "ckpt",
+            tmp_path / f"x{fixes}",
+            variant="decode",
+            tokens=1,
+            cache_len=8,
+            sha=True,
+            ext_embedding=True,
+            fp16_fixes=fixes,
+        )
+        model = onnx.load(tmp_path / f"x{fixes}" / "chunk0.onnx")
+        found[fixes] = qnn_job.max_scaled_norm_ranges(model)
+    assert found[False] == {}
+    ranges = found[True]
+    root = math.sqrt(embed)
+    # Seven bounded tensors in each of the 2 * layers + 1 norms.
+    assert len(ranges) == 7 * 5
+    assert set(ranges.values()) == {
+        (-1.0, 1.0),
+        (0.0, 1.0),
+        (0.0, 2.0),
+        (0.0, math.sqrt(2.0)),
+        (0.0, root),
+        (-root, root),
+    }
+
+    # The bounds hold on rows calibration text rarely shows: flat (mean of y*y = 1),
+    # one spike (rms = max / sqrt(n)), tiny, and massive.
+    model = onnx.load(tmp_path / "xTrue" / "chunk0.onnx")
+    for name in sorted(ranges):
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, 1, None))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    captured = {}
+    chain = GraphChain(tmp_path / "xTrue", capture=lambda _, feeds: captured.update(feeds))
+    chain.step(np.array([[3]]))
+    spike = np.full(embed, 1e-3, np.float32)
+    spike[5] = 3e4
+    rows = [
+        np.ones(embed, np.float32),
+        spike,
+        np.full(embed, 1e-7, np.float32),
+        np.random.default_rng(0).normal(0, 2e4, embed).astype(np.float32),
+    ]
+    extremes = {name: [] for name in ranges}
+    for row in rows:
+        feeds = {**captured, "embedding": row.reshape(1, 1, embed)}
+        values = dict(zip(sorted(ranges), session.run(sorted(ranges), feeds), strict=True))
+        for name, (low, high) in ranges.items():
+            assert low - 1e-5 <= values[name].min() and values[name].max() <= high + 1e-5, name
+            extremes[name] += [values[name].min(), values[name].max()]
+    # ... and the flat and spiked rows reach them: the ranges are tight, not just safe.
+    first = "/model/layers.0/input_layernorm/"
+    assert max(extremes[first + "ReduceMean_output_0"]) == pytest.approx(1.0, rel=1e-5)
+    assert max(extremes[first + "Div_2_output_0"]) == pytest.approx(root, rel=1e-3)
+
+
+def test_squares_become_mul_and_their_exponents_go():
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    three = helper.make_tensor("three", TensorProto.FLOAT, [], [3.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["exponent"], value=two),
+            helper.make_node("Pow", ["x", "exponent"], ["square"], name="square"),
+            helper.make_node("Pow", ["x", "three"], ["cube"], name="cube"),
+            helper.make_node("Add", ["square", "cube"], ["y"]),
+        ],
+        "squares",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])],
+        [three],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.array([-3.0, -1.5, -1e-3, 0.0, 0.5, 2.0], np.float32)
+    want = x**2 + x**3
+
+    assert qnn_job.squares_to_mul(model) == ["square"]
+    ops = [n.op_type for n in model.graph.node]
+    # Only the square changes; the cube keeps its exponent, the unused Constant is gone.
+    assert ops == ["Mul", "Pow", "Add"]
+    assert list(model.graph.node[0].input) == ["x", "x"]
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["y"], {"x": x})[0], want, rtol=1e-6)
+
+
 def test_row_matmuls_of_two_activations_become_mul_reducesum():
     import onnx
     import onnxruntime as ort

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 from conftest import script_env, snakemake
+from test_workflow import dry_run
 
 from npuforge import toolchain
 
@@ -110,6 +111,14 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
         return sum(a["bytes"] for a in manifest["artifacts"] if a["role"] == "binary")
 
     assert binary_bytes(quantized) < 0.6 * binary_bytes(compiled)
+
+    # Editing a calibration text reruns the calibration and the a16w8 build it feeds (the
+    # texts' digest is a calibrate param); the export and the fp16 build stay.
+    text = sorted((workflow / "data" / "calibration" / "text").glob("*.txt"))[0]
+    text.write_text(text.read_text() + "\nOne more sentence for the calibration.\n")
+    counts = dry_run(workflow, "--config", "target=SM8650")
+    assert counts["calibrate"] == 1 and counts["compile"] == counts["package"] == 1
+    assert "export" not in counts and "verify_onnx" not in counts
 
 
 @pytest.mark.slow

@@ -287,6 +287,149 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
     return rewritten
 
 
+def squares_to_mul(model) -> list[str]:
+    """Rewrite ``Pow(x, 2)`` as ``Mul(x, x)`` in place; returns the rewritten node names.
+
+    The quantizer treats a Constant node's output as an activation: the exponent 2
+    becomes a uint16 code whose range_margin-widened scale dequantizes it to
+    2.0000305, and onnxruntime's Pow of a negative base to a non-integer power is
+    NaN. On SmolLM2 that dropped the squares of every negative element inside the
+    RMSNorms (a16w8 CPU proxy: top-1 0.22, perplexity +15,600 %). A 16-bit Mul
+    has no exponent to quantize.
+    """
+    import numpy as np
+
+    constants = _constant_values(model)
+    rewritten = []
+    for node in model.graph.node:
+        exponent = node.input[1] if node.op_type == "Pow" and len(node.input) > 1 else None
+        if exponent in constants and np.all(constants[exponent] == 2):
+            node.op_type = "Mul"
+            node.input[1] = node.input[0]
+            rewritten.append(node.name or node.output[0])
+    # Constant nodes nothing reads any more (the exponents) would still be quantized.
+    read = {name for node in model.graph.node for name in node.input}
+    unused = [n for n in model.graph.node if n.op_type == "Constant" and n.output[0] not in read]
+    for node in unused:
+        model.graph.node.remove(node)
+    return rewritten
+
+
+def _constant_values(model) -> dict:
+    """Name -> numpy value of every inline initializer (weights left in external data are
+    not read) and Constant node output."""
+    from onnx import TensorProto, numpy_helper
+
+    values = {
+        init.name: numpy_helper.to_array(init)
+        for init in model.graph.initializer
+        if init.data_location != TensorProto.EXTERNAL
+    }
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+def _reduces_last_axis_only(node, constants: dict, rank: int | None) -> bool:
+    import numpy as np
+
+    axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+    if axes is None and len(node.input) > 1 and node.input[1] in constants:
+        axes = [int(v) for v in np.ravel(constants[node.input[1]])]
+    if not axes or len(axes) != 1:
+        return False
+    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def max_scaled_norm_ranges(model) -> dict:
+    """Exact value ranges of the tensors inside RMSNorms computed as ``y = x / max|x|``.
+
+    The fp16-safe RMSNorm of the llama export (``npuforge/models/llama/model.py``)
+    divides a row by its own max |x| first, so what follows is bounded whatever the
+    text: y in [-1, 1], y*y and its mean in [0, 1] (the mean >= 1/n), the mean plus
+    the eps term eps/m^2 (<= 1 once m >= the clamp floor), its sqrt, its inverse in
+    [0, sqrt(n)] and y times that inverse, a row divided by its rms, in
+    [-sqrt(n), sqrt(n)]. Calibration text cannot know these: on SmolLM2 the
+    samples' max of mean(y*y) was 0.011 where held-out text reached 0.018, and the
+    clipped mean over-scaled whole rows. Returns ``{tensor: (rmin, rmax)}``.
+    """
+    import math
+
+    import numpy as np
+    from onnx import shape_inference
+
+    constants = _constant_values(model)
+    inferred = shape_inference.infer_shapes(model)
+    dims = {}
+    for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        shape = value.type.tensor_type.shape.dim
+        dims[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in shape]
+    producer = {out: node for node in model.graph.node for out in node.output}
+    consumers = {}
+    for node in model.graph.node:
+        for name in dict.fromkeys(node.input):
+            consumers.setdefault(name, []).append(node)
+
+    def is_constant(name, value):
+        return name in constants and np.allclose(constants[name], value)
+
+    def followers(name, op_type):
+        return [n for n in consumers.get(name, []) if n.op_type == op_type]
+
+    ranges = {}
+    for div in model.graph.node:
+        if div.op_type != "Div":
+            continue
+        x, m = div.input[0], div.input[1]
+        source = producer.get(m)
+        if source is not None and source.op_type in ("Clip", "Max"):
+            source = producer.get(source.input[0])
+        if source is None or source.op_type != "ReduceMax":
+            continue
+        absolute = producer.get(source.input[0])
+        if absolute is None or absolute.op_type != "Abs" or absolute.input[0] != x:
+            continue
+        shape = dims.get(x)
+        rank = len(shape) if shape else None
+        if not _reduces_last_axis_only(source, constants, rank):
+            continue
+        y = div.output[0]
+        ranges[y] = (-1.0, 1.0)
+        n = shape[-1] if shape and shape[-1] else None
+        squares = [
+            node.output[0]
+            for node in consumers.get(y, [])
+            if (node.op_type == "Pow" and node.input[0] == y and is_constant(node.input[1], 2))
+            or (node.op_type == "Mul" and list(node.input) == [y, y])
+        ]
+        for square in squares:
+            ranges[square] = (0.0, 1.0)
+            for mean in followers(square, "ReduceMean"):
+                if not _reduces_last_axis_only(mean, constants, rank):
+                    continue
+                ranges[mean.output[0]] = (0.0, 1.0)
+                if n is None:
+                    continue
+                for add in followers(mean.output[0], "Add"):
+                    ranges[add.output[0]] = (0.0, 2.0)
+                    for sqrt in followers(add.output[0], "Sqrt"):
+                        ranges[sqrt.output[0]] = (0.0, math.sqrt(2.0))
+                        inverses = followers(sqrt.output[0], "Reciprocal") + [
+                            node
+                            for node in followers(sqrt.output[0], "Div")
+                            if node.input[1] == sqrt.output[0] and is_constant(node.input[0], 1)
+                        ]
+                        for inverse in inverses:
+                            ranges[inverse.output[0]] = (0.0, math.sqrt(n))
+                            for mul in followers(inverse.output[0], "Mul"):
+                                if y in mul.input:
+                                    ranges[mul.output[0]] = (-math.sqrt(n), math.sqrt(n))
+    return ranges
+
+
 def _quantizer_without_quadratic_scans() -> None:
     """Give onnxruntime's quantizer and calibrator their lookups without full scans.
 
@@ -503,8 +646,10 @@ def quantize_graph(
     model_path = str(preprocessed) if changed else source
     # Without external data loaded, weights stay references: shapes infer at any size.
     model = onnx.load(model_path, load_external_data=False)
+    squares = squares_to_mul(model)
+    norm_ranges = max_scaled_norm_ranges(model)
     row_matmuls = row_matmuls_to_mul_reducesum(model)
-    if row_matmuls:
+    if row_matmuls or squares:
         rewritten = work / "rewritten.onnx"
         onnx.load_external_data_for_model(model, str(Path(model_path).parent))
         onnx.save(
@@ -529,6 +674,10 @@ def quantize_graph(
     # An input known to span a fixed range (embedding rows come from one table)
     # is encoded over all of it, not over the few rows the samples happened to hit.
     for name, (rmin, rmax) in sorted((input_ranges or {}).items()):
+        bounds = {"rmin": np.float32(rmin), "rmax": np.float32(rmax)}
+        overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
+    # Inside a max-scaled RMSNorm the ranges are exact, not calibrated (and not widened).
+    for name, (rmin, rmax) in sorted(norm_ranges.items()):
         bounds = {"rmin": np.float32(rmin), "rmax": np.float32(rmax)}
         overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
     config = get_qnn_qdq_config(
@@ -564,6 +713,8 @@ def quantize_graph(
             k for k, v in overrides.items() if v[0]["quant_type"] == QuantType.QUInt16
         ),
         "norm_parameters_kept_16bit": kept_norms,
+        "norm_tensors_with_exact_ranges": len(norm_ranges),
+        "squares_as_mul": len(squares),
         # Two-activation MatMuls the HTP would run at 16x8 bits, now 16-bit Mul + ReduceSum.
         "row_matmuls_as_mul_reducesum": row_matmuls,
     }
