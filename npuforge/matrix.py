@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from npuforge import models
+from npuforge import backends, models
 from npuforge.errors import NpuforgeError
 
 # The backend that needs no vendor toolchain (onnxruntime on the CPU).
@@ -253,9 +253,26 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
                 )
 
 
+def check_batch(models: dict, targets: dict, builds) -> None:
+    """A backend whose verification covers only ``MAX_BATCH`` sequences refuses more."""
+    for build in builds:
+        target = targets[build.target]
+        limit = getattr(backends.get(target["backend"]), "MAX_BATCH", None)
+        if limit is None:
+            continue
+        for options in export_variants(models[build.model], target):
+            if options["batch"] > limit:
+                raise NpuforgeError(
+                    f"model {build.model} on {build.target}: export.batch is "
+                    f"{options['batch']}, but the {target['backend']} backend builds and "
+                    f"verifies batch {limit} only; set export.batch: {limit}"
+                )
+
+
 def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     builds = select_builds(config, models, targets)
     check_cache_fits(config, models, targets, builds)
+    check_batch(models, targets, builds)
     plan = Plan(models=models, targets=targets, builds=builds)
     for build in builds:
         pair = (build.model, build.target)

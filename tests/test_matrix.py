@@ -267,3 +267,19 @@ def test_llama_calibration_runs_must_fit_the_cache():
     assert len(plan.export_keys("llama-tiny", "SM8650")) == 2
     # Float precisions make no calibration run, so nothing to fit.
     make_plan(selection(model="llama-tiny", target="SM8650", precision="fp16"), MODELS, targets)
+
+
+@pytest.mark.parametrize("target", ["BM1684X", "BM1688"])
+def test_tpumlir_refuses_batch_above_one_when_the_matrix_is_planned(target):
+    # The cmodel check compares one sequence's logits: a batch-2 bmodel would go out
+    # unverified, so the plan stops before any export or compile.
+    batched = {"rwkv7-demo": dict(MODELS["rwkv7-demo"], export={"batch": 2})}
+    with pytest.raises(NpuforgeError) as refused:
+        make_plan(selection(model="rwkv7-demo", target=target), batched, TARGETS)
+    assert str(refused.value) == (
+        f"model rwkv7-demo on {target}: export.batch is 2, but the tpumlir backend builds "
+        "and verifies batch 1 only; set export.batch: 1"
+    )
+    # Batch 1, and backends without the limit, plan as before.
+    assert make_plan(selection(model="rwkv7-demo", target=target), MODELS, TARGETS).builds
+    assert make_plan(selection(model="rwkv7-demo", target="onnx"), batched, TARGETS).builds

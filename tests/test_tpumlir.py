@@ -28,6 +28,7 @@ after), run the tools' own --help, and compile the demo model for real.
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -583,9 +584,10 @@ def test_floors_per_precision():
     assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == tpumlir.FLOORS["bf16"]
 
 
-def _fake_toolchain(exports, tmp_path, perturb):
+def _fake_toolchain(exports, tmp_path, perturb, prefill_calls=1):
     """A compile request whose "job" writes a bmodel, its result and the simulator logits,
     which are the onnxruntime reference run's logits through ``perturb``."""
+    positions = PREFILL_TOKENS * prefill_calls + 4
 
     def run_job(stamp_path, spec_path, read_only, writable, log_path):
         spec = json.loads(Path(spec_path).read_text())
@@ -593,15 +595,17 @@ def _fake_toolchain(exports, tmp_path, perturb):
         Path(spec["result"]).write_text(json.dumps({"versions": {}, "steps": []}))
         (Path(spec["work_dir"]) / "logs").mkdir(exist_ok=True)
         loaded = base.load_exports([exports / "decode", exports / "prefill"], "tpumlir")
-        schedule = base.verification_schedule(loaded, PREFILL_TOKENS + 4)
-        ids = base.verification_tokens(PREFILL_TOKENS + 4, loaded["decode"])["ids"]
+        schedule = base.verification_schedule(loaded, positions, prefill_calls)
+        ids = base.verification_tokens(positions, loaded["decode"])["ids"]
         np.save(spec["verify"]["outputs"], perturb(base.reference_logits(loaded, schedule, ids)))
 
     stamp = tmp_path / "stamp.json"
     stamp.write_text(json.dumps({"backend": "tpumlir", "runtime": "native", "python": "py"}))
     return _request(
         [exports / "decode", exports / "prefill"], "bm1684x", "f16", tmp_path,
-        options=_options("bm1684x", verify_steps=PREFILL_TOKENS + 4),
+        options=_options(
+            "bm1684x", verify_steps=positions, verify_prefill_calls=prefill_calls
+        ),
         toolchain=stamp, job_runner=run_job,
     )  # fmt: skip
 
@@ -618,6 +622,45 @@ def test_simulator_logits_are_recorded(exports, tmp_path):
     assert figures["decode"]["positions"] == 4
     written = json.loads((tmp_path / "out" / "compile.json").read_text())
     assert written["verification"] == json.loads(json.dumps(figures))
+
+
+def test_a_second_prefill_call_continues_from_the_first_calls_state(exports, tmp_path):
+    """verify_prefill_calls: 2 runs the prefill net again from the state it left (a
+    prompt longer than one call), so its state inputs are checked on real values, not
+    only on zeros; those rows get figures of their own and count in the gate."""
+    from npuforge.runtime import GraphChain
+
+    loaded = base.load_exports([exports / "decode", exports / "prefill"], "tpumlir")
+    positions = 2 * PREFILL_TOKENS + 4
+    schedule = base.verification_schedule(loaded, positions, prefill_calls=2)
+    assert [(c.variant, c.position, c.tokens) for c in schedule] == [
+        ("prefill", 0, PREFILL_TOKENS),
+        ("prefill", PREFILL_TOKENS, PREFILL_TOKENS),
+    ] + [("decode", p, 1) for p in range(2 * PREFILL_TOKENS, positions)]
+    with pytest.raises(NpuforgeError, match=r"after 2 8-token prefill call\(s\); raise "):
+        base.verification_schedule(loaded, 2 * PREFILL_TOKENS, prefill_calls=2)
+    # The reference carries the state from call to call: it equals decoding token by token.
+    ids = base.verification_tokens(positions, loaded["decode"])["ids"]
+    reference = base.reference_logits(loaded, schedule, ids)
+    chain = GraphChain(exports / "decode")
+    decoded = np.concatenate([chain.step([[t]]).reshape(1, -1) for t in ids[:-1]])
+    assert np.abs(reference - decoded).max() <= 1e-4 * np.abs(decoded).max()
+
+    figures = tpumlir.compile(_fake_toolchain(exports, tmp_path, np.copy, 2))["verification"]
+    assert figures["calls"] == {"decode": 4, "prefill": 2} and figures["passed"] is True
+    assert figures["prefill"]["positions"] == 2 * PREFILL_TOKENS
+    assert figures["prefill_from_state"]["positions"] == PREFILL_TOKENS
+    assert figures["decode"]["positions"] == 4
+
+    def second_call_drifts(ref):
+        out = ref.copy()
+        out[PREFILL_TOKENS + 3] = np.roll(out[PREFILL_TOKENS + 3], 1)
+        return out
+
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    with pytest.raises(NpuforgeError, match="cosine .* < 0.9999;"):
+        tpumlir.compile(_fake_toolchain(exports, tmp_path, second_call_drifts, 2))
+    assert not (tmp_path / "out").exists()
 
 
 def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path):

@@ -185,25 +185,30 @@ class Call:
     tokens: int
 
 
-def verification_schedule(exports: dict, positions: int) -> list[Call]:
-    """One prefill call (with a prefill export), then decode calls up to ``positions``.
+def verification_schedule(exports: dict, positions: int, prefill_calls: int = 1) -> list[Call]:
+    """``prefill_calls`` prefill calls (with a prefill export), then decode calls up to
+    ``positions``. A second prefill call starts from the state the first one left, as a
+    bundle's prompt longer than one call does.
 
     The run covers positions 0..positions-1 either way, so a check that fits the KV
     cache by its position count fits it here too.
     """
-    positions = int(positions)
+    positions, prefill_calls = int(positions), int(prefill_calls)
     if positions < 1:
         raise NpuforgeError("verify_steps must be at least 1")
+    if prefill_calls < 1:
+        raise NpuforgeError("verify_prefill_calls must be at least 1")
     calls = []
     if "prefill" in exports:
         tokens = exports["prefill"].tokens_per_call
-        if positions <= tokens:
+        if positions <= tokens * prefill_calls:
             raise NpuforgeError(
-                f"verify_steps {positions} leaves no decode call after a {tokens}-token prefill; "
-                f"raise verify_steps above {tokens}"
+                f"verify_steps {positions} leaves no decode call after {prefill_calls} "
+                f"{tokens}-token prefill call(s); raise verify_steps above "
+                f"{tokens * prefill_calls}"
             )
-        calls.append(Call("prefill", 0, tokens))
-    start = calls[-1].tokens if calls else 0
+        calls += [Call("prefill", i * tokens, tokens) for i in range(prefill_calls)]
+    start = calls[-1].position + calls[-1].tokens if calls else 0
     calls += [Call("decode", p, 1) for p in range(start, positions)]
     return calls
 

@@ -47,6 +47,10 @@ QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "i
 PRECISIONS = tuple(QUANTIZE)
 CALIBRATED = frozenset({"int8"})
 PROCESSORS = ("bm1684x", "bm1688")
+# The cmodel check feeds and compares one sequence's calls (the job reads each net's
+# logits as [tokens, vocab]), so a batch-2 bmodel would go out unverified: refused
+# when the matrix is planned (npuforge.matrix.check_batch).
+MAX_BATCH = 1
 # model_deploy.py's own --tolerance defaults per --quantize (tpu_mlir 1.30.2,
 # ModelDeploy.__init__): "cos,euclid" floors for every tensor it compares.
 DEFAULT_TOLERANCE = {
@@ -85,6 +89,10 @@ class Options(base.CommonOptions):
     python310_image: str | None = None
     # Threads TPU-MLIR's tools may use.
     threads: int = 1
+    # Prefill calls of the cmodel check before its decode calls: from the second on, the
+    # prefill net starts from a carried state (a prompt longer than one call), which its
+    # INT8 state inputs are quantized for; the first starts from zeros.
+    verify_prefill_calls: int = 1
 
     def __post_init__(self):
         if self.processor.lower() not in PROCESSORS:
@@ -386,7 +394,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     exports = base.load_exports(request.exports, NAME)
     check_exports(exports)
     stamp = base.read_toolchain(request.toolchain, NAME)
-    schedule = base.verification_schedule(exports, options.verify_steps)
+    schedule = base.verification_schedule(
+        exports, options.verify_steps, options.verify_prefill_calls
+    )
     positions = schedule[-1].position + schedule[-1].tokens
     text = base.verification_tokens(
         positions, exports["decode"], request.heldout, list(request.calibrations)
@@ -423,10 +433,17 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
             "combined bmodel's nets",
         )  # fmt: skip
-        split = schedule[0].tokens if schedule[0].variant == "prefill" else 0
+        prefill_rows = [c.tokens for c in schedule if c.variant == "prefill"]
+        split = sum(prefill_rows)
         if split:
             verification["prefill"] = base.fidelity(reference[:split], logits[:split])
             verification["decode"] = base.fidelity(reference[split:], logits[split:])
+        if len(prefill_rows) > 1:
+            # The prefill calls that started from a carried (not zero) state.
+            first = prefill_rows[0]
+            verification["prefill_from_state"] = base.fidelity(
+                reference[first:split], logits[first:split]
+            )
         record = compile_record(spec, result, stamp, options, verification)
         record["artifacts"][0]["build_time"] = pinned
         shutil.rmtree(work)
