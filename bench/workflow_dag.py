@@ -1,6 +1,7 @@
 """Planning speed: npuforge's dry run against a bare Snakemake workflow of the same jobs.
 
-    python bench/workflow_dag.py [--models 1 10 50] [--targets 12] [--repeat 3] [--no-rerun]
+    python bench/workflow_dag.py [--models 1 10 50] [--targets 12] [--repeat 3]
+                                  [--no-rerun] [--calls]
 
 Synthetic models and rknn targets are added to copies of the registries, so no toolchain
 is needed (a dry run only asks rknn's cheap availability check); each target gets its
@@ -10,6 +11,8 @@ bench writes a bare Snakemake workflow with the same job shape (fetch, inspect,
 tokenizer, heldout, export, verify, calibrate, toolchain, compile, package, index, report; each a
 trivial shell job) and times both dry runs in the same process, best of --repeat.
 Last, it builds the default matrix in a scratch copy and times the no-op rerun.
+--calls adds the Python function calls of one profiled dry run of each: unlike seconds,
+they do not move with the machine's load, so a busy machine can still compare the two.
 """
 
 import argparse
@@ -265,6 +268,15 @@ def total_jobs(output: str) -> int:
     return int(re.search(r"^total\s+(\d+)", output, re.M).group(1))
 
 
+def python_calls(cmd, cwd, scratch: Path) -> int:
+    """Function calls of one dry run under cProfile (cmd starts with the interpreter)."""
+    import pstats
+
+    profile = scratch / "dry-run.prof"
+    timed([cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]], cwd)
+    return pstats.Stats(str(profile)).total_calls
+
+
 def best_of(repeat, cmd, cwd) -> tuple[float, int]:
     runs = [timed(cmd, cwd) for _ in range(repeat)]
     return min(t for t, _ in runs), total_jobs(runs[0][1])
@@ -298,6 +310,9 @@ def main():
     parser.add_argument("--targets", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (best is kept)")
     parser.add_argument("--no-rerun", action="store_true", help="skip the no-op rerun figure")
+    parser.add_argument(
+        "--calls", action="store_true", help="also count function calls (load-independent)"
+    )
     args = parser.parse_args()
     targets = ",".join(f"bench-t{j}" for j in range(args.targets))
     print(f"dry runs, best of {args.repeat}, {args.targets} targets x {len(PRECISIONS)} precisions")
@@ -324,6 +339,14 @@ def main():
                 f"{seconds / bare_seconds:>6.2f}",
                 flush=True,
             )
+            if args.calls:
+                calls = python_calls(ours, REPO, tmp)
+                bare_calls = python_calls(bare, bare_dir, tmp)
+                print(
+                    f"{'':>6} function calls: npuforge {calls / 1e6:.1f} M, bare "
+                    f"{bare_calls / 1e6:.1f} M, ratio {calls / bare_calls:.2f}",
+                    flush=True,
+                )
         if not args.no_rerun:
             print(
                 f"no-op rerun of the default matrix: {noop_rerun_seconds(tmp, args.repeat):.2f} s"
