@@ -165,13 +165,14 @@ def calibration_text_digest():
     # The texts' content as a params value: editing a text reruns the calibration (and
     # misses the output cache) without every text being an input file of every job.
     path = Path(calibration_text())
-    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    if path.is_dir():
+        root, files = path, sorted(path.rglob("*.txt"))
+    else:
+        root, files = path.parent, [path]
     digest = hashlib.sha256()
     for file in files:
         if file.is_file():
-            digest.update(
-                f"{file.relative_to(path) if path.is_dir() else file.name}\0".encode()
-            )
+            digest.update(f"{file.relative_to(root)}\0".encode())
             digest.update(hashlib.sha256(file.read_bytes()).digest())
     return digest.hexdigest()
 

@@ -671,13 +671,11 @@ def quantize_graph(
             model_path, samples, inputs, range_margin, work
         ).items():
             overrides.setdefault(name, [{"quant_type": QuantType.QUInt16, **bounds}])
-    # An input known to span a fixed range (embedding rows come from one table)
-    # is encoded over all of it, not over the few rows the samples happened to hit.
-    for name, (rmin, rmax) in sorted((input_ranges or {}).items()):
-        bounds = {"rmin": np.float32(rmin), "rmax": np.float32(rmax)}
-        overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
-    # Inside a max-scaled RMSNorm the ranges are exact, not calibrated (and not widened).
-    for name, (rmin, rmax) in sorted(norm_ranges.items()):
+    # Fixed ranges, not calibrated (and not widened): an input known to span one
+    # (embedding rows come from one table) is encoded over all of it, not over the rows
+    # the samples happened to hit; inside a max-scaled RMSNorm the ranges are exact.
+    fixed = {**(input_ranges or {}), **norm_ranges}
+    for name, (rmin, rmax) in sorted(fixed.items()):
         bounds = {"rmin": np.float32(rmin), "rmax": np.float32(rmax)}
         overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
     config = get_qnn_qdq_config(
