@@ -5,11 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 lock=envs/main/requirements.lock
-# Where Slurm is installed, the executor plugin for profiles/slurm too.
-locks=("$lock")
-if command -v sbatch >/dev/null; then
-    locks+=(envs/cluster/requirements.lock)
-fi
+cluster_lock=envs/cluster/requirements.lock
 python=${PYTHON:-python3.11}
 if ! command -v "$python" >/dev/null; then
     python=python3
@@ -24,12 +20,23 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.npuforge-lock.sha256
-wanted=$(sha256sum "${locks[@]}" pyproject.toml | sha256sum | cut -d' ' -f1)
+wanted=$(sha256sum "$lock" pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-    for each in "${locks[@]}"; do
-        .venv/bin/python -m pip install --quiet -r "$each"
-    done
+    .venv/bin/python -m pip install --quiet -r "$lock"
     .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
     echo "$wanted" >"$stamp"
+fi
+
+# Where Slurm is installed, the executor plugin for profiles/slurm goes in its own
+# directory, used through PYTHONPATH=.venv/cluster: Snakemake imports every executor
+# plugin it can see on each run, and this one imports pandas and runs `which sacct`.
+# Its dependencies are all in the main lock, hence --no-deps.
+cluster_stamp=.venv/cluster/.npuforge-lock.sha256
+if command -v sbatch >/dev/null \
+    && [ "$(cat "$cluster_stamp" 2>/dev/null)" != "$(sha256sum <"$cluster_lock")" ]; then
+    rm -rf .venv/cluster
+    .venv/bin/python -m pip install --quiet --no-deps --target .venv/cluster -r "$cluster_lock"
+    sha256sum <"$cluster_lock" >"$cluster_stamp"
+    echo "Slurm executor plugin ready: PYTHONPATH=.venv/cluster .venv/bin/snakemake --workflow-profile profiles/slurm"
 fi
 echo "npuforge environment ready: .venv ($(.venv/bin/python --version))"

@@ -265,11 +265,21 @@ def compile_inputs(wildcards):
     return inputs
 
 
-def compile_args(wildcards, input):
-    # One params callable per rule: Snakemake inspects the signature of every callable
-    # of every job, which is most of the planning time of a big release matrix.
+def compile_options(wildcards):
+    # Only wildcards here: Snakemake's params rerun trigger ignores params derived from
+    # input or output, so every option that changes the binary must be in this one.
     target = TARGETS[wildcards.target]
-    args = ["--backend", target["backend"]]
+    args = ["--target", wildcards.target]
+    args += ["--target-options", as_json(target["options"])]
+    args += ["--precision", wildcards.precision]
+    args += ["--weights", model_weights(MODELS[wildcards.model])]
+    return shlex.join(args)
+
+
+def compile_paths(wildcards, input):
+    # One params callable per kind: Snakemake inspects the signature of every callable
+    # of every job, which is most of the planning time of a big release matrix.
+    args = ["--backend", TARGETS[wildcards.target]["backend"]]
     for export in input.exports:
         args += ["--export", export]
     for calibration in input.get("calibration", []):
@@ -278,10 +288,7 @@ def compile_args(wildcards, input):
         args += ["--toolchain", input.toolchain]
     if "checkpoint" in input.keys():
         args += ["--checkpoint", input.checkpoint]
-    args += ["--heldout", input.heldout, "--target", wildcards.target]
-    args += ["--target-options", as_json(target["options"])]
-    args += ["--precision", wildcards.precision]
-    args += ["--weights", model_weights(MODELS[wildcards.model])]
+    args += ["--heldout", input.heldout]
     return shlex.join(args)
 
 
@@ -301,11 +308,17 @@ def package_inputs(wildcards):
     }
 
 
-def package_args(wildcards, input, output):
+def package_options(wildcards):
+    # Wildcards only, so that a changed registry entry reruns packaging (see compile_options).
     model, target = wildcards.model, wildcards.target
     args = ["--model", model, "--model-entry", as_json(MODELS[model])]
     args += ["--target", target, "--target-entry", as_json(TARGETS[target])]
-    args += ["--precision", wildcards.precision, "--compiled", input.compiled]
+    args += ["--precision", wildcards.precision]
+    return shlex.join(args)
+
+
+def package_paths(wildcards, input, output):
+    args = ["--compiled", input.compiled]
     for export in input.exports:
         args += ["--export", export]
     for report in input.verify:

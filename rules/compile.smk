@@ -31,6 +31,7 @@ rule compile:
     resources:
         mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
     params:
-        args=compile_args,
+        options=compile_options,
+        paths=compile_paths,
     shell:
-        "python workflow_scripts/compile.py {params.args} --out-dir {output} > {log} 2>&1"
+        "python workflow_scripts/compile.py {params.paths} {params.options} --out-dir {output} > {log} 2>&1"

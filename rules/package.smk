@@ -17,6 +17,7 @@ rule package:
     resources:
         mem_mb=1000,
     params:
-        args=package_args,
+        options=package_options,
+        paths=package_paths,
     shell:
-        "python workflow_scripts/package_release.py {params.args} > {log} 2>&1"
+        "python workflow_scripts/package_release.py {params.options} {params.paths} > {log} 2>&1"

@@ -10,7 +10,6 @@ cannot host the test cluster. Accounting is off (no slurmdbd): job states come f
 slurmctld, which keeps finished jobs for MinJobAge seconds.
 """
 
-import importlib.util
 import os
 import shutil
 import socket
@@ -23,6 +22,9 @@ _SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "srun")
 NODE_CONF = Path("/etc/slurm/slurm.conf")
+# Where setup.sh installs the executor plugin (envs/cluster/requirements.lock); cluster
+# runs put it on PYTHONPATH.
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / ".venv" / "cluster"
 # Seconds a daemon gets to come up (or a cancelled job to end) before we call it stuck.
 START_TIMEOUT = 60
 # Finished jobs stay visible to squeue and scontrol this long (seconds): longer than
@@ -41,10 +43,10 @@ def unavailable_reason() -> str | None:
             f"{', '.join(missing)} not installed (Debian's slurm-wlm and munge packages; "
             ".ci/run installs them via envs/base/setup-slurm.sh when run as root with apt)"
         )
-    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+    if not (PLUGIN_DIR / "snakemake_executor_plugin_slurm").is_dir():
         return (
-            "snakemake-executor-plugin-slurm is not installed: rerun bash setup.sh now "
-            "that Slurm is installed (it installs envs/cluster/requirements.lock)"
+            f"snakemake-executor-plugin-slurm is not in {PLUGIN_DIR}: rerun bash setup.sh "
+            "now that Slurm is installed (it installs envs/cluster/requirements.lock there)"
         )
     if os.geteuid() != 0:
         return "slurmd must run as root to start jobs (run the test as root)"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 from conftest import copy_workflow, script_env, snakemake
-from slurm import Cluster, ClusterError, unavailable_reason
+from slurm import PLUGIN_DIR, Cluster, ClusterError, unavailable_reason
 from test_workflow import release_files
 
 pytestmark = pytest.mark.slow
@@ -70,6 +70,7 @@ def test_demo_build_through_slurm_matches_the_local_build(cluster, tmp_path):
 
     remote = copy_workflow(tmp_path / "remote")
     env = script_env(SLURM_CONF=cluster.env["SLURM_CONF"], PATH=cluster.env["PATH"])
+    env["PYTHONPATH"] = os.pathsep.join((str(PLUGIN_DIR), env["PYTHONPATH"]))
     run = snakemake(
         remote, "--workflow-profile", "profiles/slurm", *NO_ACCOUNTING, *THREADS, *SELECT,
         env=env, check=True,
