@@ -17,7 +17,7 @@ rule calibrate:
         samples=config["calibration"]["samples"],
         steps=config["calibration"]["steps"],
         seed=config["calibration"]["seed"],
-        text=lambda w: calibration_text(),
+        text=calibration_text(),
         texts=calibration_text_digest(),
     shell:
         "python workflow_scripts/make_calibration_samples.py --export {input.export} --checkpoint {input.checkpoint} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"

@@ -257,6 +257,15 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     assert job_counts(output) == one_target_jobs
     assert "results/compile/rwkv7-demo/onnx-v16/fp32" in output
     assert "results/compile/rwkv7-demo/onnx/fp32" not in output
+    # A registry field that only the manifest records reruns that bundle's packaging alone.
+    renamed = write_extra(
+        workflow, {"targets": {"onnx-v16": {"description": "renamed"}}}, name="renamed.yaml"
+    )
+    dry = snakemake(workflow, "--dry-run", "--configfile", extra, renamed, *select)
+    output = dry.stdout + dry.stderr
+    packaging = {"package": 1, "release_index": 1, "release_report": 1, "all": 1, "total": 4}
+    assert job_counts(output) == packaging
+    assert "results/release/rwkv7-demo/onnx-v16/fp32/manifest.json" in output
 
     shutil.rmtree(workflow / "results")
     snakemake(workflow, check=True)
