@@ -31,6 +31,8 @@ _FIGURE_LINE = re.compile(
     r"^\s+(?P<key>cosine|euclidean|sqnr)_similarity\s+=\s+(?P<value>[-+0-9.eE]+|nan|inf)"
 )
 _VERDICT_LINE = re.compile(r"npz compare (?P<ok>PASSED|FAILED)")
+# How the cmodel check reports each call it runs.
+VERIFY_PROGRESS = "verify: call "
 
 
 def parse_comparisons(text: str) -> list[dict]:
@@ -183,7 +185,16 @@ def run(spec: dict) -> dict:
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
             argv = [sys.executable, os.path.abspath(__file__), "--verify", spec["spec_path"]]
             started = time.monotonic()
-            proc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # The calls can take many minutes on the cmodel: their progress lines reach
+            # this job's output (and so its heartbeat) as well as the log.
+            with subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, errors="replace",
+            ) as proc:  # fmt: skip
+                for line in proc.stdout:
+                    log.write(line)
+                    if line.startswith(VERIFY_PROGRESS):
+                        print(line, end="", flush=True)
             seconds = round(time.monotonic() - started, 1)
             log.seek(0)
             text = log.read()
@@ -269,7 +280,9 @@ def verify(spec: dict) -> None:
             if spec_in["role"] == "state":
                 state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
     rows = []
-    for call in plan["calls"]:
+    total = len(plan["calls"])
+    for number, call in enumerate(plan["calls"], 1):
+        print(f"{VERIFY_PROGRESS}{number}/{total} ({call['variant']})", flush=True)
         net_plan = plan["nets"][call["variant"]]
         net = nets[call["variant"]]
         with np.load(call["feeds"]) as data:
