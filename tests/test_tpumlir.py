@@ -314,10 +314,35 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
             for path in listed:
                 with np.load(path) as data:
                     assert sorted(data.files) == sorted(s["name"] for s in onnx_inputs)
+            # The recurrence stays F16 (int8_state_path), everything else INT8.
+            qtable = Path(dpairs["--quantize_table"]).read_text().splitlines()
+            assert qtable and all(line.endswith(" F16") for line in qtable)
+        else:
+            assert "--quantize_table" not in dpairs
     combine = spec["steps"][-1]["argv"]
     assert combine[:2] == ["model_tool", "--combine"]
     assert combine[-2:] == ["-o", str((tmp_path / "out" / f"{chip}_{precision}.bmodel").resolve())]
     assert all(os.path.isabs(p) for p in (spec["work_dir"], spec["out_dir"], spec["bmodel"]))
+
+
+def test_state_path_ops_are_the_recurrence_each_token_repeats(exports):
+    """Between each wkv state input and its output: per token the ops that update the
+    RWKV-7 state; the shift states carry no op from input to output; TPU-MLIR names each
+    op "<output>_<op type>"."""
+    import onnx
+
+    for graph, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
+        path = exports / graph / "chunk0.onnx"
+        inputs = json.loads((exports / graph / "export.json").read_text())["graphs"][0]["inputs"]
+        names = tpumlir.state_path_ops(path, inputs)
+        nodes = {n.output[0]: n.op_type for n in onnx.load(str(path)).graph.node}
+        assert all(name.rsplit("_", 1)[0] in nodes for name in names)
+        assert all(nodes[name.rsplit("_", 1)[0]] == name.rsplit("_", 1)[1] for name in names)
+        # 2 layers x tokens x (2 Mul, 2 Add, 1 MatMul), as measured on rwkv7-demo's prefill.
+        assert len(names) == 2 * tokens * 5
+        assert any(name.startswith("state_1_wkv_out_") for name in names)
+        assert not any("shift" in name for name in names)
+    assert tpumlir.state_path_ops(path, [i for i in inputs if i["role"] != "state"]) == []
 
 
 def test_int8_without_matching_samples_is_refused(exports, tmp_path):

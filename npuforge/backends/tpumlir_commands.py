@@ -81,6 +81,7 @@ def deploy_command(
     *,
     calibration_table=None,
     q_group_size=None,
+    quantize_table=None,
 ) -> list[str]:
     """model_deploy.py: top MLIR -> bmodel; TPU-MLIR's similarity check gates it."""
     if quantize == "INT8" and not calibration_table:
@@ -88,6 +89,8 @@ def deploy_command(
     cmd = ["model_deploy.py", "--mlir", str(mlir), "--quantize", quantize, "--processor", chip]
     if calibration_table:
         cmd += ["--calibration_table", str(calibration_table)]
+    if quantize_table:
+        cmd += ["--quantize_table", str(quantize_table)]
     if quantize.startswith("W4"):
         cmd += ["--q_group_size", str(int(q_group_size or DEFAULT_Q_GROUP_SIZE))]
     cmd += [

@@ -115,3 +115,32 @@ def calibration_samples(calibration_dirs, inputs) -> list[str]:
         if shapes == wanted:
             chosen.append(str(sample.resolve()))
     return chosen
+
+
+def state_path_ops(onnx_path, inputs: list[dict]) -> list[str]:
+    """TPU-MLIR names ("<output>_<op type>") of every op on a path from a state input to
+    its state output: the recurrence an unrolled prefill repeats once per token."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    on_path = set()
+    for state in (i for i in inputs if i.get("role") == "state"):
+        downstream, todo = set(), [state["name"]]
+        while todo:
+            for node in consumers.get(todo.pop(), []):
+                fresh = [out for out in node.output if out not in downstream]
+                downstream.update(fresh)
+                todo.extend(fresh)
+        upstream, todo = set(), [state["output"]]
+        while todo:
+            name = todo.pop()
+            if name not in upstream:
+                upstream.add(name)
+                todo.extend(producer[name].input if name in producer else [])
+        on_path |= downstream & upstream
+    return sorted(f"{name}_{producer[name].op_type}" for name in on_path)
