@@ -31,13 +31,14 @@ def _weights_shared(chunk_result: dict, variants: list[str]) -> dict:
 
 def heap_pinned(result: dict) -> bool:
     """Whether every chunk compiled with the heap settings that make its bytes repeat
-    (``npuforge/jobs/pinned.py``; a container that refuses personality() cannot)."""
+    (``npuforge/jobs/job_stage.py``; a container that refuses personality() cannot)."""
     settings = [chunk.get("heap") or {} for chunk in result["chunks"]]
     return bool(settings) and all(
         h.get("aslr_disabled")
         and h.get("malloc_perturb")
         and h.get("tcache_disabled")
         and h.get("python_hash_seed")
+        and h.get("fixed_clock")
         for h in settings
     )
 

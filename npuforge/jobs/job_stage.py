@@ -11,6 +11,12 @@ in a process whose history repeats:
   the tcache skips that fill and keys blocks per process, so QNN jobs turn it off
   (``glibc.malloc.tcache_count=0``); rknn jobs use one malloc arena and one CPU;
 * ``PYTHONHASHSEED=0``: Python's own allocation order (sets, dicts) repeats;
+* a clock that counts instead of ticking (``fixed_clock``): QAIRT's context
+  generation allocates by the elapsed times it reads, so under load a context
+  came out with other padding bytes; libfaketime (preloaded from the toolchain's
+  own pinned ``libfaketime`` wheel) makes every read advance 1 ms from a fixed
+  start. Sleeps and timed waits then never end, so only a process that needs
+  neither (context generation) runs with it;
 * no address randomisation (``personality(ADDR_NO_RANDOMIZE)``, ``disable_aslr``):
   the stale pointers, and allocation decisions that depend on them, repeat.
   Container engines' default seccomp profiles refuse the call unless allowed
@@ -47,6 +53,9 @@ import sys
 import sysconfig
 
 STAGE_ROOT = "/tmp"
+# libfaketime: start at a fixed instant, each clock read advances 1 ms.
+FIXED_CLOCK = "@2000-01-01 00:00:00 i0.001"
+FAKETIME_LIBRARY = ("libfaketime", "vendor", "libfaketime", "src", "libfaketime.so.1")
 MALLOC_PERTURB = "85"
 TCACHE_OFF = "glibc.malloc.tcache_count=0"
 ADDR_NO_RANDOMIZE = 0x0040000
@@ -84,11 +93,31 @@ def heap_settings() -> dict:
     except (OSError, ValueError):
         personality = 0
     tunables = os.environ.get("GLIBC_TUNABLES", "")
+    preloaded = os.path.basename(os.environ.get("LD_PRELOAD", ""))
     return {
         "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
         "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
         "tcache_disabled": TCACHE_OFF in tunables.split(":"),
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
+        "fixed_clock": os.environ.get("FAKETIME") if preloaded == FAKETIME_LIBRARY[-1] else None,
+    }
+
+
+def fixed_clock(stage: str) -> dict:
+    """Environment entries that run a staged process on the counting clock (see the
+    module doc), the library reached through the stage's own site-packages."""
+    site = sysconfig.get_paths()["purelib"]
+    if not os.path.isfile(os.path.join(site, *FAKETIME_LIBRARY)):
+        raise RuntimeError(
+            f"error: this toolchain has no {'/'.join(FAKETIME_LIBRARY)}; rebuild it from "
+            "its requirements.lock (it pins libfaketime)"
+        )
+    staged_site = os.path.join(stage, "py", "lib", _python_dir(), "site-packages")
+    return {
+        "LD_PRELOAD": os.path.join(staged_site, *FAKETIME_LIBRARY),
+        "FAKETIME": FIXED_CLOCK,
+        # File times stay real: only clock reads are pinned.
+        "NO_FAKE_STAT": "1",
     }
 
 

@@ -21,12 +21,13 @@ Per graph chunk it
 Finally it writes ``result.json`` into the spec's work directory.
 """
 
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -120,14 +121,23 @@ def _graph_folder(links: Path, source: Path, ctx_path: Path) -> str:
     return link.name
 
 
+_LINK_DIRS = itertools.count()
+
+
 def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) -> None:
     """Compile each (source, ctx_path) in order; with ``share`` they form one context."""
     previous = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="qnn-graphs-") as links:
+    # A fixed name in the stage, not a random temporary one: its path reaches QAIRT.
+    links = Path(previous, f"graph-links-{next(_LINK_DIRS)}")
+    links.mkdir()
+    try:
         for position, (source, ctx_path) in enumerate(graphs):
             source, ctx_path = Path(os.path.abspath(source)), Path(os.path.abspath(ctx_path))
             so = ort.SessionOptions()
             so.log_severity_level = 3
+            # One thread: no pool whose scheduling could reorder allocations.
+            so.intra_op_num_threads = 1
+            so.inter_op_num_threads = 1
             so.add_session_config_entry("ep.context_enable", "1")
             so.add_session_config_entry("ep.context_file_path", str(ctx_path))
             so.add_session_config_entry("ep.context_embed_mode", "0")
@@ -143,14 +153,15 @@ def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) ->
             )
             so.add_provider_for_devices(devices, {**options, **GENERATION_OPTIONS})
             model = source.read_bytes()
-            started = time.monotonic()
             os.chdir(links)
             try:
                 ort.InferenceSession(model, so)
             finally:
                 os.chdir(previous)
-            seconds = time.monotonic() - started
-            log(f"context for {source.name} -> {ctx_path.name} in {seconds:.1f} s")
+            # No seconds: this process's clock counts reads (job_stage.fixed_clock).
+            log(f"context for {source.name} -> {ctx_path.name}")
+    finally:
+        shutil.rmtree(links)
 
 
 def simulator_session(ort, devices, options: dict, ctx_path: str):
@@ -814,38 +825,43 @@ def describe_ctx(ctx_path: str) -> dict:
 # --------------------------------------------------------------------------- main
 
 
+def qdq_path(spec: dict, chunk: dict, graph: dict) -> Path:
+    return Path(spec["work_dir"]) / f"chunk{chunk['index']}_{graph['variant']}" / "qdq.onnx"
+
+
+def quantize_chunk(spec: dict, chunk: dict) -> dict:
+    """Write each graph's Q/DQ model (qdq_path); return the quantization records."""
+    quantization = {}
+    for graph in chunk["graphs"]:
+        started = time.monotonic()
+        quantization[graph["variant"]] = quantize_graph(
+            graph["model"],
+            str(qdq_path(spec, chunk, graph)),
+            spec["precision"],
+            graph["calibration"],
+            graph["inputs"],
+            chunk.get("keep_16bit_tensors", []),
+            graph.get("input_ranges"),
+            float(spec.get("range_margin", 0.0)),
+            spec.get("quantize_op_types"),
+        )
+        seconds = time.monotonic() - started
+        log(f"quantized chunk {chunk['index']} {graph['variant']} in {seconds:.1f} s")
+    return quantization
+
+
 def compile_chunk(spec: dict, chunk: dict) -> dict:
-    """Quantize (if asked) and compile one chunk's graphs into one HTP context."""
+    """Compile one chunk's graphs (its Q/DQ models if quantized) into one HTP context."""
     ort, devices, htp_library = register_qnn()
     options = provider_options(spec, htp_library)
     out_dir = Path(spec["out_dir"])
     work_dir = Path(spec["work_dir"])
-    precision = spec["precision"]
     index = chunk["index"]
     compiled = []
-    quantization = {}
     for graph in chunk["graphs"]:
-        source = graph["model"]
-        if precision != "fp16":
-            qdq = work_dir / f"chunk{index}_{graph['variant']}" / "qdq.onnx"
-            started = time.monotonic()
-            quantization[graph["variant"]] = quantize_graph(
-                source,
-                str(qdq),
-                precision,
-                graph["calibration"],
-                graph["inputs"],
-                chunk.get("keep_16bit_tensors", []),
-                graph.get("input_ranges"),
-                float(spec.get("range_margin", 0.0)),
-                spec.get("quantize_op_types"),
-            )
-            log(f"quantized chunk {index} {graph['variant']} in {time.monotonic() - started:.1f} s")
-            source = str(qdq)
-        compiled.append((source, out_dir / graph["ctx_file"]))
-    started = time.monotonic()
+        source = graph["model"] if spec["precision"] == "fp16" else qdq_path(spec, chunk, graph)
+        compiled.append((str(source), out_dir / graph["ctx_file"]))
     generate_contexts(ort, devices, options, compiled, share=len(compiled) > 1)
-    seconds = time.monotonic() - started
     ctx = {graph["variant"]: describe_ctx(out_dir / graph["ctx_file"]) for graph in chunk["graphs"]}
     binaries = sorted({b for info in ctx.values() for b in info["binaries"]})
     for variant, info in ctx.items():
@@ -868,11 +884,9 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
 
     return {
         "index": index,
-        "context_seconds": round(seconds, 3),
         "binaries": binaries,
         "qairt": {b: qairt_version(out_dir / b) for b in binaries},
         "ctx": ctx,
-        "quantization": quantization,
         "simulate_ctx": twins,
         "heap": job_stage.heap_settings(),
     }
@@ -934,15 +948,27 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
     try:
         os.mkdir(os.path.join(stage, "out"))
         os.mkdir(os.path.join(stage, "work"))
-        env = job_stage.fixed_environment(stage, chunk_env({}))
         command = [python, Path(__file__).name, "spec.json", "--chunk", str(chunk["index"])]
+        quantization = {}
+        if spec["precision"] != "fp16":
+            # Its own process on the real clock: quantization logs progress over minutes.
+            env = job_stage.fixed_environment(stage, chunk_env({}))
+            if subprocess.run([*command, "--quantize"], env=env, cwd=stage).returncode != 0:
+                raise RuntimeError(f"error: quantizing chunk {chunk['index']} failed (see above)")
+            quantization = json.loads(Path(stage, "work", "quantization.json").read_text())
+        clock = job_stage.fixed_clock(stage)
+        env = job_stage.fixed_environment(stage, chunk_env(clock))
+        started = time.monotonic()
         run = subprocess.run(command, env=env, cwd=stage)
+        seconds = time.monotonic() - started
         if run.returncode != 0:
             raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
+        log(f"chunk {chunk['index']} compiled in {seconds:.1f} s")
         out_dir, work_dir = Path(spec["out_dir"]), Path(spec["work_dir"])
         for produced in sorted(Path(stage, "out").iterdir()):
             shutil.copyfile(produced, out_dir / produced.name)
         result = json.loads(Path(stage, "work", f"chunk{chunk['index']}_result.json").read_text())
+        result.update(quantization=quantization, context_seconds=round(seconds, 3))
         for variant, twin in sorted(result.get("simulate_ctx", {}).items()):
             # The simulator-only twins (see compile_chunk) go where verify() reads them.
             for produced in Path(stage, twin).parent.iterdir():
@@ -1019,14 +1045,17 @@ def verify(spec: dict, result: dict) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--chunk"):
-        print("usage: qnn_job.py <spec.json> [--chunk N]", file=sys.stderr)
+    if len(argv) not in (1, 3, 4) or (len(argv) > 1 and argv[1] != "--chunk"):
+        print("usage: qnn_job.py <spec.json> [--chunk N [--quantize]]", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
-    if len(argv) == 3:
+    if len(argv) > 1:
         chunk = next(c for c in spec["chunks"] if c["index"] == int(argv[2]))
-        result = compile_chunk(spec, chunk)
-        out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_result.json"
+        if argv[3:] == ["--quantize"]:
+            out, result = Path(spec["work_dir"]) / "quantization.json", quantize_chunk(spec, chunk)
+        else:
+            out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_result.json"
+            result = compile_chunk(spec, chunk)
         out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         return 0
     result = compile_chunks(spec, argv[0])
