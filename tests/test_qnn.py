@@ -21,7 +21,7 @@ from conftest import script_env
 from npuforge.backends import base, qnn, qnn_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import sha256_file
-from npuforge.jobs import qnn_job
+from npuforge.jobs import job_stage, qnn_job
 
 REPO = Path(__file__).resolve().parents[1]
 SM8650 = qnn.Options(htp_arch=75, soc_model=57, vtcm_mb=8, verify_steps=32)
@@ -488,12 +488,50 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     assert manifest["reproducible"] is True
     assert manifest["options"]["generation_options"] == {"enable_htp_prepare_only": "1"}
     assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
+    assert {h["fixed_clock"] for h in manifest["options"]["heap"]} == {job_stage.FIXED_CLOCK}
     before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
     again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
     assert again == first
     for name, data in before.items():
         assert (again / name).read_bytes() == data, name
     assert rebuilt["artifacts"] == manifest["artifacts"]
+
+
+CLOCK_PROBE = """
+import json, os, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import job_stage
+
+stage = sys.argv[2]
+python = job_stage.staged_python(stage)
+env = job_stage.fixed_environment(stage, job_stage.fixed_clock(stage))
+probe = "import time; print(time.time(), time.monotonic(), time.monotonic())"
+reads = []
+for _ in range(2):
+    reads.append(subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True,
+                                check=True).stdout.split())
+    time.sleep(1.5)
+print(json.dumps(reads))
+"""
+
+
+@pytest.mark.toolchain
+def test_context_generation_runs_on_a_counting_clock(qnn_stamp, tmp_path):
+    # QAIRT's context bytes follow the elapsed times it reads: the staged process's
+    # clock must count reads from a fixed start, whatever the real clock says.
+    python = json.loads(qnn_stamp.read_text())["python"]
+    jobs = REPO / "npuforge" / "jobs"
+    run = subprocess.run(
+        [python, "-c", CLOCK_PROBE, str(jobs), str(tmp_path / "stage")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    first, second = json.loads(run.stdout)
+    assert first == second  # 1.5 s of real time apart
+    wall, mono, mono_again = map(float, first)
+    assert 946684800 <= wall < 946684801  # 2000-01-01 00:00:00 UTC
+    assert 0 < mono_again - mono < 0.01
 
 
 @pytest.fixture(scope="module")
