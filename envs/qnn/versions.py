@@ -1,6 +1,8 @@
 """Print the Qualcomm toolchain's package versions as one JSON object (run inside the env)."""
 
 import json
+import os
+import sys
 from importlib import metadata
 
 PACKAGES = ("onnxruntime-qnn", "onnxruntime", "onnx", "numpy")
@@ -20,6 +22,20 @@ def main() -> None:
         versions["qairt"] = build_and_package_info.qnn_version
     except ImportError:
         versions["qairt"] = None
+    try:
+        import ctypes
+
+        from onnxruntime_qnn import get_qnn_htp_path
+
+        # The EP loads its QAIRT libraries only when a session starts: a missing system
+        # library (libatomic.so.1 in a bare image) must fail here, when the env is made.
+        folder = os.path.dirname(get_qnn_htp_path())
+        for name in ("libQnnHtp.so", "libQnnSystem.so", "libHtpPrepare.so"):
+            ctypes.CDLL(os.path.join(folder, name))
+    except ImportError:
+        pass
+    except OSError as err:
+        sys.exit(f"error: QAIRT's HTP backend library does not load: {err}")
     print(json.dumps(versions, sort_keys=True))
 
 
