@@ -195,6 +195,14 @@ def toolchain_options(backend):
     return {}
 
 
+def toolchain_definition(backend):
+    # The content hash of envs/<backend>/: an edited lock or Containerfile prepares the
+    # toolchain again, and the compiles that read its stamp rerun on the new one.
+    from npuforge.toolchain import env_hash
+
+    return env_hash(backend, workflow.basedir)
+
+
 def toolchain_stamp(backend):
     return f"{RESULTS}/toolchains/{backend}-{RUNTIME}.json"
 

@@ -12,6 +12,7 @@ rule prepare_toolchain:
         mem_mb=4000,
     params:
         options=lambda w: as_json(toolchain_options(w.backend)),
+        definition=lambda w: toolchain_definition(w.backend),
     shell:
         "python workflow_scripts/prepare_toolchain.py --backend {wildcards.backend} --runtime {wildcards.runtime} --target-options {params.options:q} --out {output} --log {log.build} > {log.step} 2>&1"
 

@@ -272,6 +272,24 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     assert release_files(workflow) == first
 
 
+def test_edited_toolchain_definition_prepares_the_toolchain_again(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    targets = yaml.safe_load((workflow / "config" / "targets.yaml").read_text())
+    reason = unavailable_reason("rknn", "native", targets["RK3588"]["options"])
+    if reason:
+        pytest.skip(f"rknn toolchain check refuses here: {reason}")
+    stamp = "results/toolchains/rknn-native.json"
+    select = ("--config", "target=RK3588")
+    snakemake(workflow, stamp, *select, check=True)
+    assert "Nothing to be done" in snakemake(workflow, "--dry-run", stamp, *select).stdout
+    versions = workflow / "envs" / "rknn" / "versions.py"
+    versions.write_text(versions.read_text() + "# an edit to the toolchain's definition\n")
+    dry = snakemake(workflow, "--dry-run", stamp, *select)
+    assert job_counts(dry.stdout + dry.stderr) == {"prepare_toolchain": 1, "total": 1}
+    assert "Params have changed" in dry.stdout + dry.stderr
+
+
 def test_missing_toolchain_stops_before_any_job(workflow, tmp_path):
     # A PATH with this interpreter and a coreutils directory only: no container engine.
     bare = tmp_path / "bin"
