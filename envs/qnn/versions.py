@@ -30,8 +30,16 @@ def main() -> None:
         # The EP loads its QAIRT libraries only when a session starts: a missing system
         # library (libatomic.so.1 in a bare image) must fail here, when the env is made.
         folder = os.path.dirname(get_qnn_htp_path())
-        for name in ("libQnnHtp.so", "libQnnSystem.so", "libHtpPrepare.so"):
-            ctypes.CDLL(os.path.join(folder, name))
+        # They greet on standard output as they load; it carries only the JSON.
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            for name in ("libQnnHtp.so", "libQnnSystem.so", "libHtpPrepare.so"):
+                ctypes.CDLL(os.path.join(folder, name))
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
     except ImportError:
         pass
     except OSError as err:
