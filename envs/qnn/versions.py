@@ -9,6 +9,10 @@ PACKAGES = ("onnxruntime-qnn", "onnxruntime", "onnx", "numpy")
 
 
 def main() -> None:
+    # QAIRT's libraries greet on standard output, even at exit: the JSON goes out on a
+    # copy of it, and everything else to stderr.
+    result = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     versions = {}
     for name in PACKAGES:
         try:
@@ -30,21 +34,13 @@ def main() -> None:
         # The EP loads its QAIRT libraries only when a session starts: a missing system
         # library (libatomic.so.1 in a bare image) must fail here, when the env is made.
         folder = os.path.dirname(get_qnn_htp_path())
-        # They greet on standard output as they load; it carries only the JSON.
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-        try:
-            for name in ("libQnnHtp.so", "libQnnSystem.so", "libHtpPrepare.so"):
-                ctypes.CDLL(os.path.join(folder, name))
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+        for name in ("libQnnHtp.so", "libQnnSystem.so", "libHtpPrepare.so"):
+            ctypes.CDLL(os.path.join(folder, name))
     except ImportError:
         pass
     except OSError as err:
         sys.exit(f"error: QAIRT's HTP backend library does not load: {err}")
-    print(json.dumps(versions, sort_keys=True))
+    print(json.dumps(versions, sort_keys=True), file=result, flush=True)
 
 
 if __name__ == "__main__":
