@@ -2,6 +2,7 @@
 
     snakemake --cores all --config target=RK3588 toolchain_runtime=podman
     snakemake --cores all --config target=SM8650      # fp16 and a16w8
+    snakemake --cores all --config target=SM8650 precision=fp16 toolchain_runtime=podman
     snakemake --cores all --config target=BM1684X,BM1688   # f16 combined bmodels
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
@@ -60,6 +61,8 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
     manifest = check_bundle(bundle)
     compiled = manifest["compile"]
     assert compiled["toolchain"]["runtime"] == "podman"
+    assert compiled["toolchain"]["image"] == toolchain.image_name("rknn")
+    assert compiled["toolchain"]["definition"] == toolchain.env_hash("rknn")
     assert compiled["toolchain"]["versions"]["rknn-toolkit2"] == "2.5.0"
     assert compiled["verification"]["positions"] >= 32
     assert compiled["verification"]["cosine"] >= 0.9999
@@ -75,6 +78,30 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
 
 
 QNN_NATIVE = toolchain.unavailable_reason("qnn", "native", target_options("SM8650"))
+QNN_PODMAN = toolchain.unavailable_reason("qnn", "podman", target_options("SM8650"))
+
+
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(QNN_PODMAN is not None, reason=f"qnn in podman: {QNN_PODMAN}")
+def test_sm8650_in_podman_builds_verified_reproducible_htp_context(workflow):
+    select = ("--config", "target=SM8650", "precision=fp16", "toolchain_runtime=podman")
+    snakemake(workflow, *select, check=True)
+    bundle = bundle_of(workflow, "SM8650", "fp16")
+    compiled = check_bundle(bundle)["compile"]
+    assert compiled["toolchain"]["runtime"] == "podman"
+    assert compiled["toolchain"]["image"] == toolchain.image_name("qnn")
+    assert compiled["qairt"]["version"].startswith("2.51")
+    assert compiled["verification"]["positions"] >= 32 and compiled["verification"]["passed"]
+    assert compiled["verification"]["cosine"] >= 0.9999
+    assert compiled["reproducible"] is True
+    assert all(h["aslr_disabled"] and h["fixed_clock"] for h in compiled["options"]["heap"])
+    first = sha256s(bundle, ".bin")
+    assert first, "no context binary in the bundle"
+
+    # A second compile in a fresh container gives the same bytes.
+    snakemake(workflow, *select, "--forcerun", "compile", check=True)
+    assert sha256s(bundle, ".bin") == first
 
 
 @pytest.mark.slow
@@ -88,6 +115,8 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
     binaries = sha256s(bundle, ".bin")
     assert binaries and sha256s(bundle, "_ctx.onnx")
     assert compiled["qairt"]["version"].startswith("2.51")
+    assert compiled["toolchain"]["runtime"] == "native" and "image" not in compiled["toolchain"]
+    assert compiled["toolchain"]["definition"] == toolchain.env_hash("qnn")
     assert compiled["options"]["soc_model"] == 57 and compiled["options"]["htp_arch"] == 75
     assert compiled["verification"]["positions"] >= 32
     assert compiled["verification"]["cosine"] >= 0.9999

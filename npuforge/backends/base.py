@@ -497,10 +497,17 @@ def version(stamp: dict, package: str) -> str:
 
 
 def toolchain_record(stamp: dict, extra_versions=None) -> dict:
-    return {
+    """The runtime that built a binary, named by what it is built from: the content hash
+    of envs/<backend>/ (lock, Containerfile, versions.py) and, in a container, the image
+    tagged with it; never an image ID, which a rebuild of the same inputs changes."""
+    record = {
         "runtime": stamp.get("runtime"),
+        "definition": stamp.get("env_hash"),
         "versions": {**stamp.get("versions", {}), **(extra_versions or {})},
     }
+    if stamp.get("image"):
+        record["image"] = stamp["image"]
+    return record
 
 
 def run_job(request: CompileRequest, job_script, spec_path, *, read_only, writable, env=None):
