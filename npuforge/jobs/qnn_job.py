@@ -955,7 +955,8 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
             env = job_stage.fixed_environment(stage, chunk_env({}))
             if subprocess.run([*command, "--quantize"], env=env, cwd=stage).returncode != 0:
                 raise RuntimeError(f"error: quantizing chunk {chunk['index']} failed (see above)")
-            quantization = json.loads(Path(stage, "work", "quantization.json").read_text())
+            record = Path(stage, "work", f"chunk{chunk['index']}_quantization.json")
+            quantization = json.loads(record.read_text())
         clock = job_stage.fixed_clock(stage)
         env = job_stage.fixed_environment(stage, chunk_env(clock))
         started = time.monotonic()
@@ -1052,10 +1053,10 @@ def main(argv=None) -> int:
     if len(argv) > 1:
         chunk = next(c for c in spec["chunks"] if c["index"] == int(argv[2]))
         if argv[3:] == ["--quantize"]:
-            out, result = Path(spec["work_dir"]) / "quantization.json", quantize_chunk(spec, chunk)
+            kind, result = "quantization", quantize_chunk(spec, chunk)
         else:
-            out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_result.json"
-            result = compile_chunk(spec, chunk)
+            kind, result = "result", compile_chunk(spec, chunk)
+        out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_{kind}.json"
         out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         return 0
     result = compile_chunks(spec, argv[0])
