@@ -328,6 +328,9 @@ def main():
                 sys.executable, "-m", "snakemake", "--dry-run", "--cores", "1",
                 "--config", f"model={models}", f"target={targets}", *registries,
                 "results=" + str(tmp / "results"),
+                # The bare workflow's jobs use native stamps; auto would add one container
+                # engine probe (`podman info`, 0.1-0.7 s) per run.
+                "toolchain_runtime=native",
             ]  # fmt: skip
             bare_dir = write_bare_workflow(tmp / f"bare-{n_models}", n_models, args.targets)
             bare = [sys.executable, "-m", "snakemake", "--dry-run", "--cores", "1",

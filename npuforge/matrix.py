@@ -290,8 +290,43 @@ def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     return plan
 
 
-def check_toolchains(plan: Plan, runtime: str, unavailable_reason, *, skip: bool = False):
-    """Ask the toolchain module about every selected vendor target.
+# Chooses a runtime per target: a container image where one can run, else native.
+AUTO_RUNTIME = "auto"
+
+
+def choose_runtimes(plan: Plan, requested: str, unavailable_reason, engines):
+    """Each selected vendor target's toolchain runtime, and notes for the user.
+
+    ``auto`` takes the first container engine of ``engines`` that can run the target's
+    toolchain here, since a container image is the runtime whose bytes a release is
+    reproducible against; else native, with a note naming why no engine could.
+    Any other request applies to every target as it is.
+    """
+    runtimes, notes = {}, []
+    for target_id in plan.vendor_targets():
+        if requested != AUTO_RUNTIME:
+            runtimes[target_id] = requested
+            continue
+        target = plan.targets[target_id]
+        refusals = []
+        for engine in engines:
+            reason = unavailable_reason(target["backend"], engine, target["options"])
+            if reason is None:
+                runtimes[target_id] = engine
+                break
+            refusals.append(reason)
+        else:
+            runtimes[target_id] = "native"
+            notes.append(
+                f"target {target_id} builds in the native toolchain environment, not in a "
+                f"container image (the reference runtime): {refusals[0]}"
+            )
+    return runtimes, notes
+
+
+def check_toolchains(plan: Plan, runtimes: dict, unavailable_reason, *, skip: bool = False):
+    """Ask the toolchain module about every selected vendor target in its runtime
+    (``runtimes``: target -> runtime, from ``choose_runtimes``).
 
     A target named on the command line whose toolchain is missing stops the run
     (one line saying how to provide it). With ``skip`` (``target=all``) such
@@ -301,7 +336,7 @@ def check_toolchains(plan: Plan, runtime: str, unavailable_reason, *, skip: bool
     skipped = []
     for target_id in plan.vendor_targets():
         target = plan.targets[target_id]
-        reason = unavailable_reason(target["backend"], runtime, target["options"])
+        reason = unavailable_reason(target["backend"], runtimes[target_id], target["options"])
         if reason and not skip:
             raise NpuforgeError(f"target {target_id}: {reason}")
         if reason:

@@ -28,6 +28,7 @@ from npuforge.errors import NpuforgeError
 from npuforge.matrix import (
     REFERENCE_BACKEND,
     check_toolchains,
+    choose_runtimes,
     make_plan,
     parse_selection,
 )
@@ -68,14 +69,19 @@ try:
     validate(TARGETS, f"{SCHEMAS}/targets.schema.yaml", "targets", VALIDATED)
     check_registries(MODELS, TARGETS)
     PLAN = make_plan(config, MODELS, TARGETS)
-    RUNTIME = config["toolchain_runtime"]
+    RUNTIMES = {}
     if PLAN.vendor_targets():
         # Imported only when a vendor target is selected; the check itself is light.
-        from npuforge.toolchain import unavailable_reason
+        from npuforge.toolchain import CONTAINER_RUNTIMES, unavailable_reason
 
+        RUNTIMES, _notes = choose_runtimes(
+            PLAN, config["toolchain_runtime"], unavailable_reason, CONTAINER_RUNTIMES
+        )
+        for _note in _notes:
+            print(f"npuforge: {_note}", file=sys.stderr)
         skip = parse_selection(config.get("target")) == ["all"]
         for _target, _reason in check_toolchains(
-            PLAN, RUNTIME, unavailable_reason, skip=skip
+            PLAN, RUNTIMES, unavailable_reason, skip=skip
         ):
             print(f"npuforge: skipping target {_target}: {_reason}", file=sys.stderr)
 except NpuforgeError as err:
@@ -203,8 +209,9 @@ def toolchain_definition(backend):
     return env_hash(backend, workflow.basedir)
 
 
-def toolchain_stamp(backend):
-    return f"{RESULTS}/toolchains/{backend}-{RUNTIME}.json"
+def toolchain_stamp(target):
+    backend = TARGETS[target]["backend"]
+    return f"{RESULTS}/toolchains/{backend}-{RUNTIMES[target]}.json"
 
 
 def compile_dir(model, target, precision):
@@ -269,7 +276,7 @@ def compile_inputs(wildcards):
         # The reference target checks its graphs against the checkpoint itself.
         inputs["checkpoint"] = checkpoint_path(wildcards.model)
     else:
-        inputs["toolchain"] = toolchain_stamp(backend)
+        inputs["toolchain"] = toolchain_stamp(wildcards.target)
     return inputs
 
 

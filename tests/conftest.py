@@ -56,7 +56,18 @@ def copy_workflow(dest: Path) -> Path:
             shutil.copytree(src, dest / part, ignore=ignore)
         elif src.exists():
             shutil.copy2(src, dest / part)
+    pin_native_runtime(dest / "config" / "config.yaml")
     return dest
+
+
+def pin_native_runtime(config_file: Path):
+    # The shipped default (auto) would build vendor targets in podman wherever it runs;
+    # tests select the container route by name (test_vendor_builds), so each test's
+    # runtime does not depend on what the machine has.
+    text = config_file.read_text()
+    pinned = text.replace("\ntoolchain_runtime: auto\n", "\ntoolchain_runtime: native\n")
+    assert pinned != text, f"{config_file} no longer sets toolchain_runtime: auto"
+    config_file.write_text(pinned)
 
 
 def snakemake(workdir: Path, *args, check=False, env=None) -> subprocess.CompletedProcess:

@@ -96,7 +96,7 @@ CASES = {
     },
     "toolchain runtime unknown": {
         "config": ["toolchain_runtime=bogus"],
-        "says": "config.toolchain_runtime: 'bogus' is not one of native, podman, docker",
+        "says": "config.toolchain_runtime: 'bogus' is not one of auto, native, podman, docker",
     },
     "hf revision that is a branch": {
         "configfile": {

@@ -12,6 +12,7 @@ from npuforge.errors import NpuforgeError
 from npuforge.matrix import (
     Build,
     check_toolchains,
+    choose_runtimes,
     export_key,
     export_variants,
     make_plan,
@@ -145,7 +146,7 @@ def test_toolchain_check_asks_for_vendor_targets_only():
         return None
 
     plan = make_plan(selection(target="onnx,RK3588"), MODELS, TARGETS)
-    check_toolchains(plan, "podman", reason)
+    check_toolchains(plan, {"RK3588": "podman"}, reason)
     assert asked == [("rknn", "podman", "rk3588")]
 
     def refuse(backend, runtime, options):
@@ -153,7 +154,7 @@ def test_toolchain_check_asks_for_vendor_targets_only():
 
     plan = make_plan(selection(target="BM1684X"), MODELS, TARGETS)
     with pytest.raises(NpuforgeError, match="^target BM1684X: no TPU-MLIR here"):
-        check_toolchains(plan, "native", refuse)
+        check_toolchains(plan, {"BM1684X": "native"}, refuse)
 
 
 def test_target_all_skips_unavailable_toolchains_and_keeps_the_rest():
@@ -161,7 +162,8 @@ def test_target_all_skips_unavailable_toolchains_and_keeps_the_rest():
         return "rknn-toolkit2 is missing" if backend == "rknn" else None
 
     plan = make_plan(selection(target="all", precision=""), MODELS, TARGETS)
-    skipped = check_toolchains(plan, "native", only_rknn_missing, skip=True)
+    runtimes, _ = choose_runtimes(plan, "native", only_rknn_missing, ENGINES)
+    skipped = check_toolchains(plan, runtimes, only_rknn_missing, skip=True)
     rknn_targets = sorted(t for t, spec in TARGETS.items() if spec["backend"] == "rknn")
     assert sorted(t for t, _ in skipped) == rknn_targets
     built = {b.target for b in plan.builds}
@@ -283,3 +285,47 @@ def test_tpumlir_refuses_batch_above_one_when_the_matrix_is_planned(target):
     # Batch 1, and backends without the limit, plan as before.
     assert make_plan(selection(model="rwkv7-demo", target=target), MODELS, TARGETS).builds
     assert make_plan(selection(model="rwkv7-demo", target="onnx"), batched, TARGETS).builds
+
+
+ENGINES = ("podman", "docker")
+
+
+def test_auto_runtime_takes_the_first_engine_that_can_run_each_toolchain():
+    asked = []
+
+    def podman_cannot_run_tpumlir(backend, runtime, options):
+        asked.append((backend, runtime))
+        if backend == "tpumlir" and runtime == "podman":
+            return "the TPU-MLIR image needs a CPython 3.10 base image"
+        return None
+
+    plan = make_plan(selection(target="onnx,RK3588,BM1684X", precision=""), MODELS, TARGETS)
+    runtimes, notes = choose_runtimes(plan, "auto", podman_cannot_run_tpumlir, ENGINES)
+    assert runtimes == {"RK3588": "podman", "BM1684X": "docker"}
+    assert notes == []
+    assert ("rknn", "docker") not in asked  # the first engine that can run it is taken
+
+
+def test_auto_runtime_falls_back_to_native_and_says_why():
+    def no_engine(backend, runtime, options):
+        if runtime == "native":
+            raise AssertionError("native is not asked by choose_runtimes")
+        return f"container engine '{runtime}' is not installed"
+
+    plan = make_plan(selection(target="RK3588,SM8650", precision=""), MODELS, TARGETS)
+    runtimes, notes = choose_runtimes(plan, "auto", no_engine, ENGINES)
+    assert runtimes == {"RK3588": "native", "SM8650": "native"}
+    assert notes == [
+        f"target {t} builds in the native toolchain environment, not in a container image "
+        "(the reference runtime): container engine 'podman' is not installed"
+        for t in ("RK3588", "SM8650")
+    ]
+
+
+def test_a_named_runtime_is_taken_as_it_is():
+    def never(backend, runtime, options):
+        raise AssertionError("a named runtime is not probed while choosing")
+
+    plan = make_plan(selection(target="onnx,RK3588,SM8650", precision=""), MODELS, TARGETS)
+    runtimes, notes = choose_runtimes(plan, "docker", never, ENGINES)
+    assert runtimes == {"RK3588": "docker", "SM8650": "docker"} and notes == []

@@ -272,11 +272,25 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     assert release_files(workflow) == first
 
 
-def test_edited_toolchain_definition_prepares_the_toolchain_again(workflow):
+def env_without_container_engines(tmp_path) -> dict:
+    # A PATH with this interpreter and a coreutils directory only: no container engine.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("sh", "bash", "env", "cat", "mkdir", "dirname"):
+        if shutil.which(tool):
+            (bare / tool).symlink_to(shutil.which(tool))
+    return script_env(PATH=os.pathsep.join((str(Path(sys.executable).parent), str(bare))))
+
+
+def rknn_refusal(workflow, runtime):
     from npuforge.toolchain import unavailable_reason
 
     targets = yaml.safe_load((workflow / "config" / "targets.yaml").read_text())
-    reason = unavailable_reason("rknn", "native", targets["RK3588"]["options"])
+    return unavailable_reason("rknn", runtime, targets["RK3588"]["options"])
+
+
+def test_edited_toolchain_definition_prepares_the_toolchain_again(workflow):
+    reason = rknn_refusal(workflow, "native")
     if reason:
         pytest.skip(f"rknn toolchain check refuses here: {reason}")
     stamp = "results/toolchains/rknn-native.json"
@@ -290,14 +304,40 @@ def test_edited_toolchain_definition_prepares_the_toolchain_again(workflow):
     assert "Params have changed" in dry.stdout + dry.stderr
 
 
+def test_shipped_default_runtime_is_auto():
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert config["toolchain_runtime"] == "auto"
+
+
+def test_auto_runtime_builds_natively_where_no_engine_runs_and_says_so(workflow, tmp_path):
+    if rknn_refusal(workflow, "native"):
+        pytest.skip(f"rknn toolchain check refuses here: {rknn_refusal(workflow, 'native')}")
+    env = env_without_container_engines(tmp_path)
+    select = ("--config", "target=RK3588", "toolchain_runtime=auto")
+    result = snakemake(workflow, "--dry-run", *select, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert (
+        "npuforge: target RK3588 builds in the native toolchain environment, not in a "
+        "container image (the reference runtime): container engine 'podman' is not installed"
+    ) in result.stderr
+    assert "results/toolchains/rknn-native.json" in output
+    assert "rknn-podman" not in output
+
+
+def test_auto_runtime_builds_in_podman_where_it_runs(workflow):
+    reason = rknn_refusal(workflow, "podman")
+    if reason:
+        pytest.skip(f"podman cannot run the rknn toolchain here: {reason}")
+    result = snakemake(workflow, "--dry-run", "--config", "target=RK3588", "toolchain_runtime=auto")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "results/toolchains/rknn-podman.json" in output
+    assert "native toolchain environment" not in output and "rknn-native" not in output
+
+
 def test_missing_toolchain_stops_before_any_job(workflow, tmp_path):
-    # A PATH with this interpreter and a coreutils directory only: no container engine.
-    bare = tmp_path / "bin"
-    bare.mkdir()
-    for tool in ("sh", "bash", "env", "cat", "mkdir", "dirname"):
-        if shutil.which(tool):
-            (bare / tool).symlink_to(shutil.which(tool))
-    env = script_env(PATH=os.pathsep.join((str(Path(sys.executable).parent), str(bare))))
+    env = env_without_container_engines(tmp_path)
     result = snakemake(workflow, "--config", "target=RK3588", "toolchain_runtime=docker", env=env)
     output = result.stdout + result.stderr
     assert result.returncode != 0
