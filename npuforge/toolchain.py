@@ -289,7 +289,40 @@ def _prepare_container(backend, engine, repo_root, log) -> dict:
             f"image {image} is broken: versions.py failed: "
             + (versions.stderr.strip().splitlines() or ["no output"])[-1]
         )
-    return {"image": image, "versions": json.loads(versions.stdout)}
+    return {
+        "image": image,
+        "versions": json.loads(versions.stdout),
+        "debian_packages": _image_debian_packages(engine, image),
+    }
+
+
+# One line per installed package, as name=version (architecture-qualified where multi-arch).
+DPKG_LISTING = ["dpkg-query", "--show", "--showformat", "${binary:Package}=${Version}\n"]
+
+
+def debian_package_digest(listing: str) -> dict:
+    """The identity of a Debian userland: the sha256 of its sorted package=version lines.
+
+    An image tag names the pinned inputs, but the base under them is whatever the apt
+    mirror served the day it was built; this names that too.
+    """
+    lines = sorted({line.strip() for line in listing.splitlines() if line.strip()})
+    text = "".join(f"{line}\n" for line in lines)
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "count": len(lines)}
+
+
+def _image_debian_packages(engine: str, image: str) -> dict:
+    listing = subprocess.run(
+        [engine, "run", "--rm", "--network=none", image, *DPKG_LISTING],
+        capture_output=True,
+        text=True,
+    )
+    if listing.returncode != 0:
+        raise NpuforgeError(
+            f"image {image} is broken: dpkg-query failed: "
+            + (listing.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+    return debian_package_digest(listing.stdout)
 
 
 def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None, log_path=None):

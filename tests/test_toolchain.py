@@ -277,3 +277,13 @@ def test_podman_runtime_runs_the_job_offline_as_the_user(tmp_path):
             toolchain.run_job(stamp_path, job, spec, writable=[out_dir])
     finally:
         subprocess.run(["podman", "rmi", "-f", stamp["image"]], capture_output=True)
+
+
+def test_debian_package_digest_names_the_package_set_whatever_its_order():
+    listing = "libc6:amd64=2.36-9+deb12u10\nbash=5.2.15-2+b7\n"
+    digest = toolchain.debian_package_digest(listing)
+    assert digest["count"] == 2 and len(digest["sha256"]) == 64
+    reordered = "\nbash=5.2.15-2+b7\nlibc6:amd64=2.36-9+deb12u10\nbash=5.2.15-2+b7\n"
+    assert toolchain.debian_package_digest(reordered) == digest
+    upgraded = listing.replace("2.36-9+deb12u10", "2.36-9+deb12u11")
+    assert toolchain.debian_package_digest(upgraded)["sha256"] != digest["sha256"]

@@ -11,6 +11,7 @@ release bundle. They skip, with the reason, where the toolchain cannot run.
 """
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -64,6 +65,17 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
     assert compiled["toolchain"]["image"] == toolchain.image_name("rknn")
     assert compiled["toolchain"]["definition"] == toolchain.env_hash("rknn")
     assert compiled["toolchain"]["versions"]["rknn-toolkit2"] == "2.5.0"
+    # The image's Debian userland is named too: one line per package dpkg lists in it.
+    listed = subprocess.run(
+        ["podman", "run", "--rm", "--network=none", toolchain.image_name("rknn"), "dpkg", "-l"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    installed = [line for line in listed.splitlines() if line.startswith("ii ")]
+    userland = compiled["toolchain"]["debian_packages"]
+    assert userland["count"] == len(installed) > 50
+    assert re.fullmatch(r"[0-9a-f]{64}", userland["sha256"])
     assert compiled["verification"]["positions"] >= 32
     assert compiled["verification"]["cosine"] >= 0.9999
     assert compiled["verification"]["nan_inf"] == 0

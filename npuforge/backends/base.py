@@ -499,7 +499,8 @@ def version(stamp: dict, package: str) -> str:
 def toolchain_record(stamp: dict, extra_versions=None) -> dict:
     """The runtime that built a binary, named by what it is built from: the content hash
     of envs/<backend>/ (lock, Containerfile, versions.py) and, in a container, the image
-    tagged with it; never an image ID, which a rebuild of the same inputs changes."""
+    tagged with it and the digest of its Debian package list; never an image ID, which a
+    rebuild of the same inputs changes."""
     record = {
         "runtime": stamp.get("runtime"),
         "definition": stamp.get("env_hash"),
@@ -507,6 +508,8 @@ def toolchain_record(stamp: dict, extra_versions=None) -> dict:
     }
     if stamp.get("image"):
         record["image"] = stamp["image"]
+    if stamp.get("debian_packages"):
+        record["debian_packages"] = stamp["debian_packages"]
     return record
 
 
