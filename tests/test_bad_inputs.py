@@ -397,8 +397,9 @@ def fake_toolchain(cache: Path, job: str) -> Path:
 def real_rknn_python():
     from npuforge import toolchain
 
-    python = toolchain.native_venv("rknn") / "bin" / "python"
-    return python if python.is_file() else None
+    # Complete only: another process may be building it (python exists before its packages).
+    venv = toolchain.native_venv("rknn")
+    return venv / "bin" / "python" if (venv / ".complete").is_file() else None
 
 
 RUN_CASES = {
