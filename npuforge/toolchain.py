@@ -264,7 +264,11 @@ def _image_exists(engine: str, image: str) -> bool:
     return probe.returncode == 0
 
 
-def _prepare_container(backend, engine, repo_root, log) -> dict:
+# Image labels that name what an image was built from beyond envs/<backend>/.
+INPUT_LABEL_PREFIX = "npuforge."
+
+
+def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     image = image_name(backend, repo_root)
     if not _image_exists(engine, image):
         if not _image_exists(engine, BASE_IMAGE):
@@ -276,8 +280,19 @@ def _prepare_container(backend, engine, repo_root, log) -> dict:
             cmd += ["--volume", f"{cert}:/etc/npuforge-host-ca.crt:ro"]
             cmd += ["--build-arg", "PIP_CERT=/etc/npuforge-host-ca.crt"]
         cmd += _pip_source_args()
-        cmd += ["-f", env_dir(backend, repo_root) / "Containerfile", env_dir(backend, repo_root)]
-        _run(cmd, log=log, what=f"building image {image}")
+        cmd += ["-f", env_dir(backend, repo_root) / "Containerfile"]
+        # A backend may need more than its envs/ directory (TPU-MLIR: a CPython 3.10).
+        module = _backend_module(backend)
+        contexts = getattr(module, "image_build_contexts", None)
+        with tempfile.TemporaryDirectory(prefix=f"npuforge-{backend}-context-") as staging:
+            if contexts is not None:
+                named, labels = contexts(_typed(module, target_options), Path(staging))
+                for name, path in named.items():
+                    cmd += ["--build-context", f"{name}={path}"]
+                for key, value in labels.items():
+                    cmd += ["--label", f"{key}={value}"]
+            cmd.append(env_dir(backend, repo_root))
+            _run(cmd, log=log, what=f"building image {image}")
     versions = subprocess.run(
         [engine, "run", "--rm", "--network=none", "-i", image, CONTAINER_PYTHON, "-"],
         input=(env_dir(backend, repo_root) / "versions.py").read_text(),
@@ -289,10 +304,28 @@ def _prepare_container(backend, engine, repo_root, log) -> dict:
             f"image {image} is broken: versions.py failed: "
             + (versions.stderr.strip().splitlines() or ["no output"])[-1]
         )
-    return {
+    described = {
         "image": image,
         "versions": json.loads(versions.stdout),
         "debian_packages": _image_debian_packages(engine, image),
+    }
+    inputs = _image_input_labels(engine, image)
+    if inputs:
+        described["image_inputs"] = inputs
+    return described
+
+
+def _image_input_labels(engine: str, image: str) -> dict:
+    probe = subprocess.run(
+        [engine, "image", "inspect", "--format", "{{json .Config.Labels}}", image],
+        capture_output=True,
+        text=True,
+    )
+    labels = json.loads(probe.stdout or "null") if probe.returncode == 0 else None
+    return {
+        key.removeprefix(INPUT_LABEL_PREFIX): value
+        for key, value in sorted((labels or {}).items())
+        if key.startswith(INPUT_LABEL_PREFIX)
     }
 
 
@@ -338,7 +371,7 @@ def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None
         if runtime == "native":
             described = _prepare_native(backend, repo_root, target_options, log)
         else:
-            described = _prepare_container(backend, runtime, repo_root, log)
+            described = _prepare_container(backend, runtime, repo_root, target_options, log)
     stamp = {
         "backend": backend,
         "runtime": runtime,

@@ -805,6 +805,44 @@ def test_native_toolchain_needs_only_cpython_310(tmp_path, monkeypatch):
     assert tpumlir.unavailable_reason("native", _options("bm1684x", python=python)) is None
 
 
+def test_image_takes_the_native_routes_cpython_without_its_packages_or_bytecode(tmp_path):
+    python = _python310()
+    if python is None:
+        pytest.skip("no CPython 3.10 on this machine: the image has no interpreter to copy")
+    named, labels = tpumlir.image_build_contexts(_options("bm1684x"), tmp_path / "a")
+    prefix = named["python310"]
+    assert (prefix / "bin" / "python3.10").is_file()
+    assert (prefix / "lib" / "python3.10" / "os.py").is_file()
+    assert (prefix / "lib" / "python3.10" / "ensurepip").is_dir()  # venv needs it
+    assert not (prefix / "lib" / "python3.10" / "site-packages").exists()
+    assert not list(prefix.rglob("__pycache__"))
+    assert (prefix / "bin" / "python3").is_symlink()
+    version = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert labels["npuforge.python310.version"] == version
+    # The tree hash names the copy: the same interpreter staged again gives the same one.
+    _, again = tpumlir.image_build_contexts(_options("bm1684x"), tmp_path / "b")
+    assert again == labels and len(labels["npuforge.python310.sha256"]) == 64
+
+
+def test_image_refusal_names_the_missing_python(monkeypatch, tmp_path):
+    monkeypatch.setattr(tpumlir_env, "_image_built", lambda runtime: False)
+    reason = tpumlir.unavailable_reason("podman", _options("bm1684x", python=str(tmp_path / "p")))
+    assert reason.startswith(
+        f"the TPU-MLIR image copies CPython 3.10 from this machine but {tmp_path / 'p'} is "
+        "not runnable: name a 3.10 interpreter with $PYTHON310"
+    )
+    reason = tpumlir.unavailable_reason("docker", _options("bm1684x", python=sys.executable))
+    assert f"{sys.executable} is Python {sys.version_info[0]}.{sys.version_info[1]}" in reason
+    # Once the image is built, the machine's interpreter no longer matters.
+    monkeypatch.setattr(tpumlir_env, "_image_built", lambda runtime: True)
+    assert tpumlir.unavailable_reason("podman", _options("bm1684x", python="/nope")) is None
+
+
 def test_lock_pins_and_hashes_every_package():
     text = (REPO / "envs" / "tpumlir" / "requirements.lock").read_text().replace("\\\n", " ")
     entries = [line.split() for line in text.splitlines() if line and not line.startswith("#")]

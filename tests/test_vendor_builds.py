@@ -4,10 +4,14 @@
     snakemake --cores all --config target=SM8650      # fp16 and a16w8
     snakemake --cores all --config target=SM8650 precision=fp16 toolchain_runtime=podman
     snakemake --cores all --config target=BM1684X,BM1688   # f16 combined bmodels
+    snakemake --cores all --config target=BM1684X toolchain_runtime=podman
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
 with the real vendor compiler, verifies on the vendor's simulator and packages a
-release bundle. They skip, with the reason, where the toolchain cannot run.
+release bundle. They skip, with the reason, where the toolchain cannot run. The
+container builds are then repeated from a second checkout into another results
+directory, after the images are removed and built again, and every release byte must
+match: bytes are promised per runtime, and the runtime is what the image is built from.
 """
 
 import json
@@ -15,8 +19,8 @@ import re
 import subprocess
 
 import pytest
-from conftest import script_env, snakemake
-from test_workflow import dry_run
+from conftest import copy_workflow, script_env, snakemake
+from test_workflow import dry_run, sha256_tree
 
 from npuforge import toolchain
 
@@ -40,6 +44,30 @@ def check_bundle(bundle):
     return json.loads((bundle / "manifest.json").read_text())
 
 
+def image_id(image):
+    probe = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True
+    )
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def remove_images(*images):
+    """Remove the images and the layers podman keeps from their builds, so the next prepare
+    builds each again from its Containerfile (the base with debootstrap)."""
+    for image in images:
+        if image_id(image):
+            subprocess.run(["podman", "rmi", image], capture_output=True, text=True, check=True)
+    subprocess.run(["podman", "image", "prune", "--force"], capture_output=True, check=True)
+
+
+def release_of_a_second_checkout(tmp_path, select):
+    """The same build from another checkout path into another results directory."""
+    other = copy_workflow(tmp_path / "a-second-checkout-at-a-much-longer-path" / "wf")
+    results = tmp_path / "other-results"
+    snakemake(other, *select, f"results={results}", check=True)
+    return sha256_tree(results / "release")
+
+
 def sha256s(bundle, suffix):
     found = {}
     for line in (bundle / "SHA256SUMS").read_text().splitlines():
@@ -55,7 +83,7 @@ RKNN_PODMAN = toolchain.unavailable_reason("rknn", "podman", target_options("RK3
 @pytest.mark.slow
 @pytest.mark.toolchain
 @pytest.mark.skipif(RKNN_PODMAN is not None, reason=f"rknn in podman: {RKNN_PODMAN}")
-def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
+def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow, tmp_path):
     select = ("--config", "target=RK3588", "toolchain_runtime=podman")
     snakemake(workflow, *select, check=True)
     bundle = bundle_of(workflow, "RK3588", "fp16")
@@ -81,12 +109,15 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow):
     assert compiled["verification"]["nan_inf"] == 0
     assert compiled["placement"]["cpu_fallback"] == 0
     assert compiled["options"]["aslr_disabled"] is True
-    first = sha256s(bundle, ".rknn")
-    assert first, "no .rknn file in the bundle"
+    assert sha256s(bundle, ".rknn"), "no .rknn file in the bundle"
 
-    # A second compile in a fresh container gives the same bytes.
-    snakemake(workflow, *select, "--forcerun", "compile", check=True)
-    assert sha256s(bundle, ".rknn") == first
+    # Base and rknn images built again from scratch, then the build from another checkout.
+    built = image_id(toolchain.image_name("rknn")), image_id(toolchain.BASE_IMAGE)
+    remove_images(toolchain.image_name("qnn"), toolchain.image_name("rknn"), toolchain.BASE_IMAGE)
+    rebuilt_release = release_of_a_second_checkout(tmp_path, select)
+    rebuilt = image_id(toolchain.image_name("rknn")), image_id(toolchain.BASE_IMAGE)
+    assert None not in rebuilt and rebuilt[0] != built[0] and rebuilt[1] != built[1]
+    assert rebuilt_release == sha256_tree(workflow / "results" / "release")
 
 
 QNN_NATIVE = toolchain.unavailable_reason("qnn", "native", target_options("SM8650"))
@@ -96,7 +127,7 @@ QNN_PODMAN = toolchain.unavailable_reason("qnn", "podman", target_options("SM865
 @pytest.mark.slow
 @pytest.mark.toolchain
 @pytest.mark.skipif(QNN_PODMAN is not None, reason=f"qnn in podman: {QNN_PODMAN}")
-def test_sm8650_in_podman_builds_verified_reproducible_htp_context(workflow):
+def test_sm8650_in_podman_builds_verified_reproducible_htp_context(workflow, tmp_path):
     select = ("--config", "target=SM8650", "precision=fp16", "toolchain_runtime=podman")
     snakemake(workflow, *select, check=True)
     bundle = bundle_of(workflow, "SM8650", "fp16")
@@ -108,12 +139,14 @@ def test_sm8650_in_podman_builds_verified_reproducible_htp_context(workflow):
     assert compiled["verification"]["cosine"] >= 0.9999
     assert compiled["reproducible"] is True
     assert all(h["aslr_disabled"] and h["fixed_clock"] for h in compiled["options"]["heap"])
-    first = sha256s(bundle, ".bin")
-    assert first, "no context binary in the bundle"
+    assert sha256s(bundle, ".bin"), "no context binary in the bundle"
 
-    # A second compile in a fresh container gives the same bytes.
-    snakemake(workflow, *select, "--forcerun", "compile", check=True)
-    assert sha256s(bundle, ".bin") == first
+    # The qnn image built again from scratch, then the build from another checkout.
+    built = image_id(toolchain.image_name("qnn"))
+    remove_images(toolchain.image_name("qnn"))
+    rebuilt_release = release_of_a_second_checkout(tmp_path, select)
+    assert image_id(toolchain.image_name("qnn")) not in (None, built)
+    assert rebuilt_release == sha256_tree(workflow / "results" / "release")
 
 
 @pytest.mark.slow
@@ -197,6 +230,7 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
 
 
 TPUMLIR_NATIVE = toolchain.unavailable_reason("tpumlir", "native", target_options("BM1684X"))
+TPUMLIR_PODMAN = toolchain.unavailable_reason("tpumlir", "podman", target_options("BM1684X"))
 
 
 @pytest.mark.slow
@@ -240,7 +274,17 @@ def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflo
     again = snakemake(workflow, *both, check=True, env=env)
     assert "Nothing to be done" in again.stdout + again.stderr
 
-    # A second compile of the same exports gives the same bytes (build time pinned).
-    one = ("--config", "target=BM1684X")
-    snakemake(workflow, *one, "--forcerun", "compile", check=True, env=env)
+    # A second compile of the same exports gives the same bytes (build time pinned): in
+    # the TPU-MLIR image where podman can build it (TPU-MLIR's bytes do not follow the
+    # userland), else natively again.
+    if TPUMLIR_PODMAN is None:
+        in_image = ("--config", "target=BM1684X", "toolchain_runtime=podman")
+        snakemake(workflow, *in_image, check=True, env=env)
+        record = check_bundle(bundle_of(workflow, "BM1684X", "f16"))["compile"]["toolchain"]
+        assert record["image"] == toolchain.image_name("tpumlir")
+        assert record["image_inputs"]["python310.version"].startswith("3.10.")
+        assert record["versions"]["tpu_mlir"] == "1.30.2"
+    else:
+        one = ("--config", "target=BM1684X")
+        snakemake(workflow, *one, "--forcerun", "compile", check=True, env=env)
     assert sha256s(bundle_of(workflow, "BM1684X", "f16"), ".bmodel") == digests["BM1684X"]

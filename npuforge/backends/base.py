@@ -508,8 +508,9 @@ def toolchain_record(stamp: dict, extra_versions=None) -> dict:
     }
     if stamp.get("image"):
         record["image"] = stamp["image"]
-    if stamp.get("debian_packages"):
-        record["debian_packages"] = stamp["debian_packages"]
+    for key in ("debian_packages", "image_inputs"):
+        if stamp.get(key):
+            record[key] = stamp[key]
     return record
 
 

@@ -30,7 +30,7 @@ from npuforge.backends.tpumlir_commands import (
     deploy_command,
     transform_command,
 )
-from npuforge.backends.tpumlir_env import native_python, unavailable_reason
+from npuforge.backends.tpumlir_env import image_build_contexts, native_python, unavailable_reason
 from npuforge.backends.tpumlir_inputs import (
     _as_dirs,
     calibration_samples,
@@ -70,7 +70,7 @@ FLOORS = {
     "w4f16": {"min_cosine": 0.99},
 }
 
-__all__ = ["native_python", "unavailable_reason"]
+__all__ = ["image_build_contexts", "native_python", "unavailable_reason"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +84,9 @@ class Options(base.CommonOptions):
     seed: int = 0
     # W4F16 weight group size (model_deploy --q_group_size).
     q_group_size: int = 64
-    # Native runtime: the CPython 3.10 to build the venv from (default: $PYTHON310, then
-    # python3.10 on PATH, then pyenv's); container runtime: the CPython 3.10 base image.
+    # The CPython 3.10 to build the native venv from and to copy into the image
+    # (default: $PYTHON310, then python3.10 on PATH, then pyenv's).
     python: str | None = None
-    python310_image: str | None = None
     # Threads TPU-MLIR's tools may use.
     threads: int = 1
     # Prefill calls of the cmodel check before its decode calls: from the second on, the

@@ -1,19 +1,28 @@
-"""Finding what the TPU-MLIR toolchain needs on this host: CPython 3.10 (the native venv
-gets everything else from requirements.lock) or a container base image. Cheap checks
-only: the workflow runs them while it parses.
+"""Finding what the TPU-MLIR toolchain needs on this host: CPython 3.10, from which the
+native venv is built (everything else comes from requirements.lock) and which the
+container image copies (Debian bookworm, the image's base, ships 3.11 only, and no
+package registry serves a CPython build). Cheap checks only: the workflow runs them
+while it parses.
 """
 
 import functools
 import glob
+import hashlib
 import os
 import shutil
+import stat
 import subprocess
+from pathlib import Path
 
 from npuforge.errors import NpuforgeError
 
-# Names the CPython 3.10 to build the native venv from (before PATH and pyenv).
+# Names the CPython 3.10 to build the native venv and the image from (before PATH and pyenv).
 PYTHON_ENV = "PYTHON310"
-PYTHON310_IMAGE = "docker.io/library/python:3.10-slim-bookworm"
+# The Containerfile copies this build context (a CPython 3.10 prefix) into /usr/local.
+PYTHON_CONTEXT = "python310"
+# What the interpreter's prefix holds that the image does not take: packages installed
+# into it on this machine, and bytecode (which embeds the source files' mtimes).
+PREFIX_LEFT_OUT = ("lib/python3.10/site-packages", "__pycache__")
 
 
 def _python_candidates():
@@ -26,7 +35,7 @@ def _python_candidates():
 
 
 def native_python(options) -> str:
-    """The CPython 3.10 the native toolchain venv is built from.
+    """The CPython 3.10 the native toolchain venv (and the image) is built from.
 
     ``python`` in the target options (or $PYTHON310) names it; otherwise the first
     python3.10 that runs, on PATH, under pyenv, or in /usr(/local)/bin.
@@ -42,9 +51,9 @@ def native_python(options) -> str:
 
 
 _NO_PYTHON = (
-    "TPU-MLIR needs CPython 3.10 exactly and none was found: install one (e.g. 'pyenv install "
-    "3.10') and name it with $PYTHON310 (or 'python' in the target's options), or "
-    "use a container runtime (toolchain_runtime=podman)"
+    "TPU-MLIR needs CPython 3.10 exactly (natively, and to build its image) and none was "
+    "found: install one (e.g. 'pyenv install 3.10') and name it with $PYTHON310 (or "
+    "'python' in the target's options)"
 )
 
 
@@ -62,23 +71,85 @@ def _python_version(python: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _container_reason(runtime: str, options) -> str | None:
+def _image_built(runtime: str) -> bool:
     from npuforge import toolchain
 
-    def exists(image):
-        probe = subprocess.run(
-            [runtime, "image", "inspect", image], capture_output=True, text=True, timeout=60
-        )
-        return probe.returncode == 0
-
-    base = getattr(options, "python310_image", None) or PYTHON310_IMAGE
-    if exists(toolchain.image_name("tpumlir")) or exists(base):
-        return None
-    return (
-        f"the TPU-MLIR image needs a CPython 3.10 base image and {runtime} has none: "
-        f"'{runtime} pull {base}' (or '{runtime} load' it where no registry is reachable), "
-        "then prepare again (envs/tpumlir/Containerfile)"
+    probe = subprocess.run(
+        [runtime, "image", "inspect", toolchain.image_name("tpumlir")],
+        capture_output=True,
+        timeout=60,
     )
+    return probe.returncode == 0
+
+
+def _container_reason(runtime: str, options) -> str | None:
+    if _image_built(runtime):
+        return None
+    try:
+        python = native_python(options)
+    except NpuforgeError as err:
+        return str(err)
+    version = _python_version(python)
+    if version != "3.10":
+        found = f"Python {version}" if version else "not runnable"
+        return (
+            f"the TPU-MLIR image copies CPython 3.10 from this machine but {python} is "
+            f"{found}: name a 3.10 interpreter with $PYTHON310 (or 'python' in the "
+            "target's options)"
+        )
+    return None
+
+
+def _python_prefix(python: str) -> Path:
+    out = subprocess.run(
+        [python, "-c", "import sys; print(sys.base_prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if out.returncode != 0:
+        raise NpuforgeError(f"{python} does not run: {out.stderr.strip()[-200:]}")
+    return Path(out.stdout.strip())
+
+
+def image_build_contexts(options, staging: Path):
+    """The build contexts the TPU-MLIR image needs, staged under ``staging``, and the
+    labels naming them: the prefix of the CPython 3.10 the native route would use
+    (pyenv's, on our machines), without its site-packages and bytecode, and the sha256
+    of that tree (paths, modes, symlink targets, contents)."""
+    python = native_python(options)
+    prefix = _python_prefix(python)
+    target = staging / PYTHON_CONTEXT
+    digest = hashlib.sha256()
+    for path in sorted(prefix.rglob("*")):
+        relative = path.relative_to(prefix).as_posix()
+        if relative.startswith(PREFIX_LEFT_OUT[0]) or PREFIX_LEFT_OUT[1] in path.parts:
+            continue
+        info = path.lstat()
+        dest = target / relative
+        digest.update(f"{relative}\0{stat.S_IMODE(info.st_mode):o}\0".encode())
+        if stat.S_ISLNK(info.st_mode):
+            link = os.readlink(path)
+            digest.update(f"link:{link}\0".encode())
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(link, dest)
+        elif stat.S_ISDIR(info.st_mode):
+            dest.mkdir(parents=True, exist_ok=True)
+        elif stat.S_ISREG(info.st_mode):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+            digest.update(path.read_bytes() + b"\0")
+    version = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    labels = {
+        "npuforge.python310.version": version,
+        "npuforge.python310.sha256": digest.hexdigest(),
+    }
+    return {PYTHON_CONTEXT: target}, labels
 
 
 def unavailable_reason(runtime: str, options) -> str | None:
