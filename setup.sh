@@ -15,6 +15,15 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     exit 2
 fi
 
+# Vendor targets build in their toolchain images by default (toolchain_runtime: auto):
+# as root on a Debian-like machine without podman, install it the way our images need
+# (envs/base/setup-podman.sh: podman, runc, debootstrap, ulimits). NPUFORGE_NO_PODMAN=1 skips it.
+if [ "$(id -u)" = 0 ] && [ -z "${NPUFORGE_NO_PODMAN:-}" ] && command -v apt-get >/dev/null \
+    && ! command -v podman >/dev/null; then
+    echo "installing rootful podman for the toolchain images (envs/base/setup-podman.sh; NPUFORGE_NO_PODMAN=1 skips it)"
+    bash envs/base/setup-podman.sh
+fi
+
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi

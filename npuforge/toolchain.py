@@ -34,8 +34,12 @@ from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 
 RUNTIMES = ("native", "podman", "docker")
-# Debian's package of each engine (Debian's "docker" is a window-manager dock).
-DEBIAN_PACKAGES = {"podman": "podman", "docker": "docker.io"}
+# How to install each engine on Debian (Debian's "docker" is a window-manager dock); podman
+# as our images need it (runc, explicit ulimits) comes from our own script.
+ENGINE_INSTALL = {
+    "podman": "as root: bash envs/base/setup-podman.sh",
+    "docker": "apt-get install docker.io",
+}
 CONTAINER_RUNTIMES = ("podman", "docker")
 ARCH_TEMPLATE = {"podman": "{{.Host.Arch}}", "docker": "{{.Architecture}}"}
 BASE_IMAGE = "localhost/npuforge-base:bookworm"
@@ -81,10 +85,9 @@ def _backend_module(backend: str):
 def _engine_problem(engine: str) -> str | None:
     if shutil.which(engine) is None:
         return (
-            f"container engine '{engine}' is not installed: install it "
-            f"(Debian: apt-get install {DEBIAN_PACKAGES.get(engine, engine)}) or choose another "
-            "toolchain runtime "
-            "(toolchain_runtime=native in config)"
+            f"container engine '{engine}' is not installed: install it (Debian: "
+            f"{ENGINE_INSTALL.get(engine, f'apt-get install {engine}')}) or choose another "
+            "toolchain runtime (toolchain_runtime=native in config)"
         )
     try:
         probe = subprocess.run(
