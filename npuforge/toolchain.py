@@ -260,7 +260,7 @@ def build_base_image(engine: str, log) -> None:
     _run(["bash", script, engine, BASE_IMAGE], log=log, what="building the base image")
 
 
-def _image_exists(engine: str, image: str) -> bool:
+def image_exists(engine: str, image: str) -> bool:
     if engine == "podman":
         return subprocess.run([engine, "image", "exists", image]).returncode == 0
     probe = subprocess.run([engine, "image", "inspect", image], capture_output=True)
@@ -273,8 +273,8 @@ INPUT_LABEL_PREFIX = "npuforge."
 
 def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     image = image_name(backend, repo_root)
-    if not _image_exists(engine, image):
-        if not _image_exists(engine, BASE_IMAGE):
+    if not image_exists(engine, image):
+        if not image_exists(engine, BASE_IMAGE):
             build_base_image(engine, log)
         cmd = [engine, "build", "--network=host", "-t", image]
         cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
@@ -296,26 +296,37 @@ def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
                     cmd += ["--label", f"{key}={value}"]
             cmd.append(env_dir(backend, repo_root))
             _run(cmd, log=log, what=f"building image {image}")
-    versions = subprocess.run(
-        [engine, "run", "--rm", "--network=none", "-i", image, CONTAINER_PYTHON, "-"],
-        input=(env_dir(backend, repo_root) / "versions.py").read_text(),
-        capture_output=True,
-        text=True,
+    versions = _run_in_image(
+        engine,
+        image,
+        [CONTAINER_PYTHON, "-"],
+        "versions.py",
+        stdin=(env_dir(backend, repo_root) / "versions.py").read_text(),
     )
-    if versions.returncode != 0:
-        raise NpuforgeError(
-            f"image {image} is broken: versions.py failed: "
-            + (versions.stderr.strip().splitlines() or ["no output"])[-1]
-        )
     described = {
         "image": image,
-        "versions": json.loads(versions.stdout),
-        "debian_packages": _image_debian_packages(engine, image),
+        "versions": json.loads(versions),
+        "debian_packages": debian_package_digest(
+            _run_in_image(engine, image, DPKG_LISTING, "dpkg-query")
+        ),
     }
     inputs = _image_input_labels(engine, image)
     if inputs:
         described["image_inputs"] = inputs
     return described
+
+
+def _run_in_image(engine: str, image: str, argv, what: str, stdin=None) -> str:
+    """Standard output of ``argv`` in a fresh offline container of ``image``; a failure
+    says the image is broken, in one line."""
+    cmd = [engine, "run", "--rm", "--network=none"] + (["-i"] if stdin is not None else [])
+    ran = subprocess.run([*cmd, image, *argv], input=stdin, capture_output=True, text=True)
+    if ran.returncode != 0:
+        raise NpuforgeError(
+            f"image {image} is broken: {what} failed: "
+            + (ran.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+    return ran.stdout
 
 
 def _image_input_labels(engine: str, image: str) -> dict:
@@ -345,20 +356,6 @@ def debian_package_digest(listing: str) -> dict:
     lines = sorted({line.strip() for line in listing.splitlines() if line.strip()})
     text = "".join(f"{line}\n" for line in lines)
     return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "count": len(lines)}
-
-
-def _image_debian_packages(engine: str, image: str) -> dict:
-    listing = subprocess.run(
-        [engine, "run", "--rm", "--network=none", image, *DPKG_LISTING],
-        capture_output=True,
-        text=True,
-    )
-    if listing.returncode != 0:
-        raise NpuforgeError(
-            f"image {image} is broken: dpkg-query failed: "
-            + (listing.stderr.strip().splitlines() or ["no output"])[-1]
-        )
-    return debian_package_digest(listing.stdout)
 
 
 def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None, log_path=None):

@@ -22,7 +22,8 @@ PYTHON_ENV = "PYTHON310"
 PYTHON_CONTEXT = "python310"
 # What the interpreter's prefix holds that the image does not take: packages installed
 # into it on this machine, and bytecode (which embeds the source files' mtimes).
-PREFIX_LEFT_OUT = ("lib/python3.10/site-packages", "__pycache__")
+INSTALLED_PACKAGES = "lib/python3.10/site-packages"
+BYTECODE = "__pycache__"
 
 
 def _python_candidates():
@@ -74,42 +75,46 @@ def _python_version(python: str) -> str | None:
 def _image_built(runtime: str) -> bool:
     from npuforge import toolchain
 
-    probe = subprocess.run(
-        [runtime, "image", "inspect", toolchain.image_name("tpumlir")],
-        capture_output=True,
-        timeout=60,
-    )
-    return probe.returncode == 0
+    return toolchain.image_exists(runtime, toolchain.image_name("tpumlir"))
 
 
-def _container_reason(runtime: str, options) -> str | None:
-    if _image_built(runtime):
-        return None
+def _python310_problem(options, needed_for: str) -> str | None:
+    """Why no CPython 3.10 can be used here, one line opening with ``needed_for``."""
     try:
         python = native_python(options)
     except NpuforgeError as err:
         return str(err)
     version = _python_version(python)
-    if version != "3.10":
-        found = f"Python {version}" if version else "not runnable"
-        return (
-            f"the TPU-MLIR image copies CPython 3.10 from this machine but {python} is "
-            f"{found}: name a 3.10 interpreter with $PYTHON310 (or 'python' in the "
-            "target's options)"
-        )
-    return None
+    if version == "3.10":
+        return None
+    found = f"Python {version}" if version else "not runnable"
+    return (
+        f"{needed_for} but {python} is {found}: name a 3.10 interpreter with $PYTHON310 "
+        "(or 'python' in the target's options)"
+    )
 
 
-def _python_prefix(python: str) -> Path:
+def _container_reason(runtime: str, options) -> str | None:
+    if _image_built(runtime):
+        return None
+    return _python310_problem(options, "the TPU-MLIR image copies CPython 3.10 from this machine")
+
+
+def _prefix_and_version(python: str) -> tuple[Path, str]:
     out = subprocess.run(
-        [python, "-c", "import sys; print(sys.base_prefix)"],
+        [
+            python,
+            "-c",
+            "import platform, sys; print(sys.base_prefix); print(platform.python_version())",
+        ],
         capture_output=True,
         text=True,
         timeout=30,
     )
     if out.returncode != 0:
         raise NpuforgeError(f"{python} does not run: {out.stderr.strip()[-200:]}")
-    return Path(out.stdout.strip())
+    prefix, version = out.stdout.splitlines()[-2:]
+    return Path(prefix), version
 
 
 def image_build_contexts(options, staging: Path):
@@ -117,13 +122,12 @@ def image_build_contexts(options, staging: Path):
     labels naming them: the prefix of the CPython 3.10 the native route would use
     (pyenv's, on our machines), without its site-packages and bytecode, and the sha256
     of that tree (paths, modes, symlink targets, contents)."""
-    python = native_python(options)
-    prefix = _python_prefix(python)
+    prefix, version = _prefix_and_version(native_python(options))
     target = staging / PYTHON_CONTEXT
     digest = hashlib.sha256()
     for path in sorted(prefix.rglob("*")):
         relative = path.relative_to(prefix).as_posix()
-        if relative.startswith(PREFIX_LEFT_OUT[0]) or PREFIX_LEFT_OUT[1] in path.parts:
+        if relative.startswith(INSTALLED_PACKAGES) or BYTECODE in path.parts:
             continue
         info = path.lstat()
         dest = target / relative
@@ -139,12 +143,6 @@ def image_build_contexts(options, staging: Path):
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
             digest.update(path.read_bytes() + b"\0")
-    version = subprocess.run(
-        [python, "-c", "import platform; print(platform.python_version())"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout.strip()
     labels = {
         "npuforge.python310.version": version,
         "npuforge.python310.sha256": digest.hexdigest(),
@@ -158,15 +156,4 @@ def unavailable_reason(runtime: str, options) -> str | None:
         return _container_reason(runtime, options)
     if runtime != "native":
         return f"unknown toolchain runtime '{runtime}': choose native, podman or docker"
-    try:
-        python = native_python(options)
-    except NpuforgeError as err:
-        return str(err)
-    version = _python_version(python)
-    if version != "3.10":
-        found = f"Python {version}" if version else "not runnable"
-        return (
-            f"TPU-MLIR needs CPython 3.10 exactly but {python} is {found}: name a 3.10 "
-            "interpreter with $PYTHON310 (or 'python' in the target's options)"
-        )
-    return None
+    return _python310_problem(options, "TPU-MLIR needs CPython 3.10 exactly")
