@@ -489,8 +489,16 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     assert manifest["options"]["generation_options"] == {"enable_htp_prepare_only": "1"}
     assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
     assert {h["fixed_clock"] for h in manifest["options"]["heap"]} == {job_stage.FIXED_CLOCK}
+    assert {(h["cpus"], h["malloc_arenas"]) for h in manifest["options"]["heap"]} == {(1, "1")}
     before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
-    again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
+    # Rebuilt as on a machine with one CPU: QAIRT's prepare threads sized by the CPUs
+    # allowed wrote other bytes (2 vs 1 CPU) until the job pinned itself to one.
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
+    finally:
+        os.sched_setaffinity(0, allowed)
     assert again == first
     for name, data in before.items():
         assert (again / name).read_bytes() == data, name

@@ -39,6 +39,7 @@ def heap_pinned(result: dict) -> bool:
         and h.get("tcache_disabled")
         and h.get("python_hash_seed")
         and h.get("fixed_clock")
+        and h.get("cpus") == 1
         for h in settings
     )
 

@@ -9,7 +9,9 @@ in a process whose history repeats:
 
 * glibc fills every fresh heap block with one pattern (``MALLOC_PERTURB_=85``);
   the tcache skips that fill and keys blocks per process, so QNN jobs turn it off
-  (``glibc.malloc.tcache_count=0``); rknn jobs use one malloc arena and one CPU;
+  (``glibc.malloc.tcache_count=0``); jobs use one malloc arena and one CPU
+  (``one_cpu``), so threads neither race for blocks nor size their pools by the
+  machine (a QNN context once took another stale byte under heavy load);
 * ``PYTHONHASHSEED=0``: Python's own allocation order (sets, dicts) repeats;
 * a clock that counts instead of ticking (``fixed_clock``): QAIRT's context
   generation allocates by the elapsed times it reads, so under load a context
@@ -100,6 +102,8 @@ def heap_settings() -> dict:
         "tcache_disabled": TCACHE_OFF in tunables.split(":"),
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
         "fixed_clock": os.environ.get("FAKETIME") if preloaded == FAKETIME_LIBRARY[-1] else None,
+        "malloc_arenas": os.environ.get("MALLOC_ARENA_MAX") or None,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
 
 

@@ -902,6 +902,7 @@ def chunk_env(environ: dict) -> dict:
         environ,
         MALLOC_PERTURB_=environ.get("MALLOC_PERTURB_") or MALLOC_PERTURB,
         GLIBC_TUNABLES=":".join(tunables + [TCACHE_OFF]),
+        MALLOC_ARENA_MAX="1",
         # Python's own allocations (set and dict order) must repeat too.
         PYTHONHASHSEED="0",
     )
@@ -960,7 +961,8 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
         clock = job_stage.fixed_clock(stage)
         env = job_stage.fixed_environment(stage, chunk_env(clock))
         started = time.monotonic()
-        run = subprocess.run(command, env=env, cwd=stage)
+        # One CPU: QAIRT's prepare threads then neither size by the machine nor race.
+        run = subprocess.run(command, env=env, cwd=stage, preexec_fn=job_stage.one_cpu)
         seconds = time.monotonic() - started
         if run.returncode != 0:
             raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
