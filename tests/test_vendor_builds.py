@@ -62,12 +62,12 @@ def remove_images(*images):
     subprocess.run(["podman", "image", "prune", "--force"], capture_output=True, check=True)
 
 
-def release_of_a_second_checkout(tmp_path, select):
+def release_of_a_second_checkout(tmp_path, select, env=None):
     """The same build from another checkout path into another results directory."""
     other = copy_workflow(tmp_path / "a-second-checkout-at-a-much-longer-path" / "wf")
     results = tmp_path / "other-results"
-    snakemake(other, *select, f"results={results}", check=True)
-    return sha256_tree(results / "release")
+    snakemake(other, *select, f"results={results}", check=True, env=env)
+    return results / "release"
 
 
 def sha256s(bundle, suffix):
@@ -116,7 +116,7 @@ def test_rk3588_in_podman_builds_verified_reproducible_rknn(workflow, tmp_path):
     # Base and rknn images built again from scratch, then the build from another checkout.
     built = image_id(toolchain.image_name("rknn")), image_id(toolchain.BASE_IMAGE)
     remove_images(toolchain.image_name("qnn"), toolchain.image_name("rknn"), toolchain.BASE_IMAGE)
-    rebuilt_release = release_of_a_second_checkout(tmp_path, select)
+    rebuilt_release = sha256_tree(release_of_a_second_checkout(tmp_path, select))
     rebuilt = image_id(toolchain.image_name("rknn")), image_id(toolchain.BASE_IMAGE)
     assert None not in rebuilt and rebuilt[0] != built[0] and rebuilt[1] != built[1]
     assert rebuilt_release == sha256_tree(workflow / "results" / "release")
@@ -146,7 +146,7 @@ def test_sm8650_in_podman_builds_verified_reproducible_htp_context(workflow, tmp
     # The qnn image built again from scratch, then the build from another checkout.
     built = image_id(toolchain.image_name("qnn"))
     remove_images(toolchain.image_name("qnn"))
-    rebuilt_release = release_of_a_second_checkout(tmp_path, select)
+    rebuilt_release = sha256_tree(release_of_a_second_checkout(tmp_path, select))
     assert image_id(toolchain.image_name("qnn")) not in (None, built)
     assert rebuilt_release == sha256_tree(workflow / "results" / "release")
 
@@ -238,7 +238,7 @@ TPUMLIR_PODMAN = toolchain.unavailable_reason("tpumlir", "podman", target_option
 @pytest.mark.slow
 @pytest.mark.toolchain
 @pytest.mark.skipif(TPUMLIR_NATIVE is not None, reason=f"tpumlir native: {TPUMLIR_NATIVE}")
-def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflow):
+def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflow, tmp_path):
     """The first run on a fresh machine also builds the TPU-MLIR venv from the lock."""
     from npuforge.backends.tpumlir import FLOORS
 
@@ -290,3 +290,14 @@ def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflo
         one = ("--config", "target=BM1684X")
         snakemake(workflow, *one, "--forcerun", "compile", check=True, env=env)
     assert sha256s(bundle_of(workflow, "BM1684X", "f16"), ".bmodel") == digests["BM1684X"]
+    if TPUMLIR_PODMAN is not None:
+        return
+
+    # The tpumlir image built again from scratch, then the build from another checkout:
+    # every byte of the BM1684X release (manifest, which names the image, included).
+    built = image_id(toolchain.image_name("tpumlir"))
+    remove_images(toolchain.image_name("tpumlir"))
+    other = release_of_a_second_checkout(tmp_path, in_image, env=env)
+    assert image_id(toolchain.image_name("tpumlir")) not in (None, built)
+    ours = workflow / "results" / "release" / "rwkv7-demo" / "BM1684X"
+    assert sha256_tree(other / "rwkv7-demo" / "BM1684X") == sha256_tree(ours)
