@@ -669,6 +669,60 @@ print(m.ONNXModel.replace_input_of_all_nodes.__qualname__)
 """
 
 
+WIDE_WEIGHTS_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import onnx, qnn_job
+args = json.loads(sys.argv[2])
+record = qnn_job.quantize_graph(**args)
+model = onnx.load(args["target"])
+types = {i.name: i.data_type for i in model.graph.initializer}
+weights = {n.input[0]: types[n.input[0]] for n in model.graph.node
+           if n.op_type == "DequantizeLinear" and n.input[0] in types}
+print(json.dumps({"record": record["weights_16bit"], "weights": weights}))
+"""
+
+
+@pytest.mark.toolchain
+def test_weights_16bit_patterns_give_the_named_matrices_int16(qnn_stamp, workspace, tmp_path):
+    import onnx
+
+    python = json.loads(qnn_stamp.read_text())["python"]
+    graph = json.loads((workspace["export"] / "export.json").read_text())["graphs"][1]
+    args = {
+        "source": str(workspace["export"] / graph["file"]),
+        "target": str(tmp_path / "qdq.onnx"),
+        "precision": "a16w8",
+        "samples": qnn_spec.calibration_samples(workspace["calibration"], 1),
+        "inputs": graph["inputs"],
+        "keep_16bit_tensors": [],
+        "weights_16bit": ["^wo"],
+    }
+    run = subprocess.run(
+        [python, "-c", WIDE_WEIGHTS_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    side = qnn_fixtures.EMBED
+    assert found["record"] == {
+        "patterns": ["^wo"],
+        "tensors": ["wo1"],
+        "parameters": side * side,
+        "of_parameters": 2 * side * side + side * qnn_fixtures.VOCAB,
+    }
+    by_matrix = {name.split("_")[0]: dtype for name, dtype in found["weights"].items()}
+    assert by_matrix["wo1"] == onnx.TensorProto.INT16
+    assert by_matrix["wk1"] == by_matrix["head"] == onnx.TensorProto.INT8
+
+
+def test_a_weights_16bit_pattern_that_is_no_regex_is_refused():
+    options = replace(SM8650, weights_16bit=["self_attn(["])
+    with pytest.raises(NpuforgeError, match="weights_16bit pattern 'self_attn\\(\\[' is not a"):
+        qnn.check_target("SM8650", options, ["a16w8"])
+
+
 @pytest.mark.toolchain
 def test_faster_quantizer_lookups_write_the_same_qdq_model(qnn_stamp, workspace, tmp_path):
     """The job's quicker onnxruntime lookups and graph augmentation change the time,

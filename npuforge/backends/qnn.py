@@ -22,6 +22,7 @@ Snakemake parses the workflow.
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -81,6 +82,10 @@ class Options(base.CommonOptions):
     range_margin: float = RANGE_MARGIN
     # Quantize only these op types; the rest runs in fp16.
     quantize_op_types: list | None = None
+    # MatMul/Gemm weights whose initializer name a regex here matches are int16 per
+    # output channel, not the precision's 8 or 4 bits (e.g. attention projections
+    # whose inputs carry outlier channels).
+    weights_16bit: list | None = None
     # ep (ONNX Runtime's QNN EP, runs here) or sdk (the QNN SDK's tools, QNN_SDK_ROOT).
     route: str = "ep"
     # The QNN SDK for the sdk route (else $QNN_SDK_ROOT).
@@ -93,6 +98,14 @@ def check_target(target_id: str, options: Options, precisions) -> None:
         problem = precision_problem(target_id, options, precision)
         if problem:
             raise NpuforgeError(problem)
+    for pattern in options.weights_16bit or []:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise NpuforgeError(
+                f"target {target_id}: weights_16bit pattern {pattern!r} is not a regular "
+                f"expression ({err}); fix targets.yaml"
+            ) from None
     known = SOC_MODELS.get(target_id)
     given = (int(options.soc_model), int(options.htp_arch))
     if known and known != given:

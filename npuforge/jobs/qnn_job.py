@@ -247,6 +247,28 @@ def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_overrid
     return overrides, kept_norms
 
 
+def wide_weights(model, overrides: dict, low_bits: dict, patterns: list) -> dict:
+    """The weight matrices (given ``low_bits`` in ``overrides``) that a pattern names:
+    {patterns, tensors, parameters (theirs), of_parameters (all weight matrices')}."""
+    import re
+
+    low = {name for name, spec in overrides.items() if spec == [low_bits]}
+    sizes = {}
+    for init in model.graph.initializer:
+        if init.name in low:
+            count = 1
+            for dim in init.dims:
+                count *= dim
+            sizes[init.name] = count
+    tensors = sorted(n for n in sizes if any(re.search(p, n) for p in patterns))
+    return {
+        "patterns": list(patterns),
+        "tensors": tensors,
+        "parameters": sum(sizes[n] for n in tensors),
+        "of_parameters": sum(sizes.values()),
+    }
+
+
 def row_matmuls_to_mul_reducesum(model) -> list[str]:
     """Rewrite ``MatMul(a[..., 1, K], b[..., K, N])`` of two activations in place.
 
@@ -630,8 +652,10 @@ def quantize_graph(
     input_ranges: dict | None = None,
     range_margin: float = 0.0,
     op_types: list | None = None,
+    weights_16bit: list | None = None,
 ) -> dict:
-    """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4)."""
+    """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4); weight matrices whose
+    name a ``weights_16bit`` regex matches are int16 instead."""
     import numpy as np
     import onnx
     from onnxruntime.quantization import QuantType, quantize
@@ -677,6 +701,9 @@ def quantize_graph(
     overrides, kept_norms = sensitive_overrides(
         model, keep_16bit_tensors, QuantType.QUInt16, weight_override=per_column
     )
+    wide = wide_weights(model, overrides, per_column, weights_16bit or [])
+    for name in wide["tensors"]:
+        overrides[name] = [{**per_column, "quant_type": QuantType.QInt16}]
     if range_margin:
         for name, bounds in _widened_ranges(
             model_path, samples, inputs, range_margin, work
@@ -717,6 +744,7 @@ def quantize_graph(
         "activation_type": "uint16",
         "weight_type": "int8" if precision == "a16w8" else "int4",
         "weight_granularity": "per output channel, symmetric",
+        "weights_16bit": wide,
         "samples": len(samples),
         "kept_16bit": sorted(
             k for k, v in overrides.items() if v[0]["quant_type"] == QuantType.QUInt16
@@ -844,6 +872,7 @@ def quantize_chunk(spec: dict, chunk: dict) -> dict:
             graph.get("input_ranges"),
             float(spec.get("range_margin", 0.0)),
             spec.get("quantize_op_types"),
+            spec.get("weights_16bit"),
         )
         seconds = time.monotonic() - started
         log(f"quantized chunk {chunk['index']} {graph['variant']} in {seconds:.1f} s")
