@@ -51,6 +51,11 @@ class Plan:
         spec = self.targets[target]["precisions"].get(precision) or {}
         return bool(spec.get("calibrate", False))
 
+    def calibration_samples(self, model: str, default: int) -> int:
+        """The model's own calibration sample count (its ``calibration`` entry), else
+        ``default`` (the config's)."""
+        return int((self.models[model].get("calibration") or {}).get("samples", default))
+
     def needs_any_calibration(self) -> bool:
         return any(self.needs_calibration(b.target, b.precision) for b in self.builds)
 

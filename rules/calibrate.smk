@@ -14,7 +14,9 @@ rule calibrate:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
-        samples=config["calibration"]["samples"],
+        samples=lambda w: PLAN.calibration_samples(
+            w.model, config["calibration"]["samples"]
+        ),
         steps=config["calibration"]["steps"],
         seed=config["calibration"]["seed"],
         text=calibration_text(),

@@ -65,6 +65,11 @@ CASES = {
         "config": ["model=rwkv7-tiny"],
         "says": "models.rwkv7-tiny.format: 'ggml' is not one of pth, safetensors, hf, gguf",
     },
+    "no calibration samples for a model": {
+        "configfile": {"models": {"rwkv7-tiny": {"calibration": {"samples": 0}}}},
+        "config": ["model=rwkv7-tiny"],
+        "says": "models.rwkv7-tiny.calibration.samples: 0 is less than the minimum of 1",
+    },
     "model id with a path separator": {
         "configfile": {"models": {"a/b": tiny()}},
         "config": ["model=a/b"],

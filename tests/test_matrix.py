@@ -254,6 +254,18 @@ def test_llama_verification_runs_must_fit_the_cache():
     assert [b.precision for b in plan.builds] == ["fp32"]
 
 
+def test_a_model_may_ask_for_more_calibration_samples():
+    plan = make_plan(
+        selection(model="smollm2-135m,rwkv7-demo", target="SM8650", precision="a16w8"),
+        MODELS,
+        TARGETS,
+    )
+    default = CONFIG["calibration"]["samples"]
+    assert MODELS["smollm2-135m"]["calibration"]["samples"] == 64 != default
+    assert plan.calibration_samples("smollm2-135m", default) == 64
+    assert plan.calibration_samples("rwkv7-demo", default) == default
+
+
 def test_llama_calibration_runs_must_fit_the_cache():
     # llama-tiny's cache holds 64 tokens: 32 calls of a 4-token prefill graph do not fit.
     sm8650 = dict(TARGETS["SM8650"])
