@@ -238,7 +238,10 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             fix = (
                 "a trained Llama needs the export's fp16_fixes and a kv_prefix (README)"
                 if precision == "fp16"
-                else "set the model's export kv_prefix, keep more tensors at 16 bit, or use fp16"
+                else (
+                    "set the model's export kv_prefix and calibration samples, keep more "
+                    "weights at 16 bit (target option weights_16bit), or use fp16"
+                )
             )
             base.check_gate(target, precision, record["verification"], fix)
     finally:
