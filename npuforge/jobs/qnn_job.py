@@ -152,6 +152,8 @@ def generate_contexts(ort, devices, options: dict, graphs: list, share: bool) ->
                 _graph_folder(Path(links), source, ctx_path),
             )
             so.add_provider_for_devices(devices, {**options, **GENERATION_OPTIONS})
+            # Minutes for a big graph: the job's watcher repeats this line until it ends.
+            log(f"generating the HTP context of {source.name}")
             model = source.read_bytes()
             os.chdir(links)
             try:
