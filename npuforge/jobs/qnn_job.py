@@ -252,16 +252,10 @@ def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_overrid
 def wide_weights(model, overrides: dict, low_bits: dict, patterns: list) -> dict:
     """The weight matrices (given ``low_bits`` in ``overrides``) that a pattern names:
     {patterns, tensors, parameters (theirs), of_parameters (all weight matrices')}."""
-    import re
+    import math
 
     low = {name for name, spec in overrides.items() if spec == [low_bits]}
-    sizes = {}
-    for init in model.graph.initializer:
-        if init.name in low:
-            count = 1
-            for dim in init.dims:
-                count *= dim
-            sizes[init.name] = count
+    sizes = {i.name: math.prod(i.dims) for i in model.graph.initializer if i.name in low}
     tensors = sorted(n for n in sizes if any(re.search(p, n) for p in patterns))
     return {
         "patterns": list(patterns),
