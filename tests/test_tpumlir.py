@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 from npuforge import backends, toolchain
-from npuforge.backends import base, tpumlir, tpumlir_commands, tpumlir_env
+from npuforge.backends import base, tpumlir, tpumlir_commands, tpumlir_env, tpumlir_inputs
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.errors import NpuforgeError
 
@@ -111,7 +111,8 @@ def _spec(export_dirs, chip, precision, tmp_path, work="work", **fields) -> dict
     """build_spec for these exports (no verification calls): the job's build steps."""
     request = _request(export_dirs, chip, precision, tmp_path, **fields)
     exports = base.load_exports(request.exports, "tpumlir")
-    return tpumlir.build_spec(request, exports, tmp_path / "out", tmp_path / work)
+    feeds = tpumlir.net_test_feeds(request, exports)
+    return tpumlir.build_spec(request, exports, tmp_path / "out", tmp_path / work, feeds)
 
 
 # ---------------------------------------------------------------- command lines
@@ -275,6 +276,8 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
         calibrations=calibration,
     )  # fmt: skip
     assert [g["net"] for g in spec["graphs"]] == ["decode", "prefill"]
+    decode_export = base.load_exports([exports / "decode"], "tpumlir")["decode"]
+    heldout = base.verification_tokens(2 * PREFILL_TOKENS + 1, decode_export)["ids"]
     stages = [s["name"] for s in spec["steps"]]
     per_graph = (
         ["model_transform", "run_calibration", "model_deploy"]
@@ -298,8 +301,12 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
             for s in onnx_inputs:
                 assert list(data[s["name"]].shape) == s["shape"]
                 assert data[s["name"]].dtype.name == s["dtype"]
-            assert 0 <= data["tokens"].min() and data["tokens"].max() < 1024
-            # States come from real decode steps, not zeros: the similarity check means something.
+            # A real run's feeds: the held-out text's ids at the net's position (the second
+            # prefill call, then the decode call after it) and the states that run carried.
+            position = {"prefill": PREFILL_TOKENS, "decode": 2 * PREFILL_TOKENS}[graph]
+            graph_record = next(g for g in spec["graphs"] if g["net"] == graph)
+            assert graph_record["test_input_position"] == position
+            assert data["tokens"].tolist() == [heldout[position : position + tokens]]
             assert np.abs(data["state_0_wkv"]).max() > 0
         deploy = next(s for s in spec["steps"] if s["name"] == f"{graph}:model_deploy")
         dpairs = dict(zip(deploy["argv"][1::2], deploy["argv"][2::2], strict=True))
@@ -323,6 +330,28 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
     assert combine[:2] == ["model_tool", "--combine"]
     assert combine[-2:] == ["-o", str((tmp_path / "out" / f"{chip}_{precision}.bmodel").resolve())]
     assert all(os.path.isabs(p) for p in (spec["work_dir"], spec["out_dir"], spec["bmodel"]))
+
+
+def test_test_input_run_fits_the_kv_cache():
+    """Two prefill calls when the cache holds them and a decode token after, else one."""
+    from types import SimpleNamespace
+
+    def llama(cache_len, prefix=()):
+        meta = {"family": "llama", "cache_len": cache_len, "kv_prefix": {"tokens": list(prefix)}}
+        return SimpleNamespace(meta=meta, tokens_per_call=32)
+
+    def calls(exports):
+        return [(c.variant, c.position) for c in tpumlir_inputs.test_schedule(exports)]
+
+    roomy = {"prefill": llama(256, [1]), "decode": llama(256, [1])}
+    assert calls(roomy) == [("prefill", 0), ("prefill", 32), ("decode", 64)]
+    tight = {"prefill": llama(64), "decode": llama(64)}
+    assert calls(tight) == [("prefill", 0), ("decode", 32)]
+    # 65 slots hold two calls and the decode token; one of them taken by a kv_prefix does not.
+    assert len(calls({"prefill": llama(65), "decode": llama(65)})) == 3
+    assert len(calls({"prefill": llama(65, [1]), "decode": llama(65, [1])})) == 2
+    decode_only = {"decode": llama(64)}
+    assert calls(decode_only) == [("decode", p) for p in range(tpumlir_inputs.DECODE_WARMUP + 1)]
 
 
 def test_state_path_ops_are_the_recurrence_each_token_repeats(exports):
@@ -733,6 +762,8 @@ def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
     assert record["artifacts"][0]["nets"] == ["decode", "prefill"]
     assert record["verification"]["tpumlir"]["cosine"] == 0.995
     assert record["verification"]["tpumlir"]["passed"] is True
+    positions = {"prefill": PREFILL_TOKENS, "decode": 2 * PREFILL_TOKENS}
+    assert record["verification"]["tpumlir"]["test_input_positions"] == positions
     assert set(record["verification"]["tpumlir"]["similarity"]) == {
         "decode:model_deploy",
         "prefill:model_deploy",

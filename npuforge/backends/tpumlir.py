@@ -36,8 +36,9 @@ from npuforge.backends.tpumlir_inputs import (
     calibration_samples,
     graph_inputs,
     make_test_input,
+    real_test_feeds,
     state_path_ops,
-    warm_states,
+    test_schedule,
 )
 from npuforge.errors import NpuforgeError
 
@@ -80,8 +81,6 @@ class Options(base.CommonOptions):
     processor: str
     # model_deploy's "cos,euclid" floors: one string, or precision -> string.
     tolerance: str | dict | None = None
-    # Seed of the --test_input files TPU-MLIR's own checks run on.
-    seed: int = 0
     # W4F16 weight group size (model_deploy --q_group_size).
     q_group_size: int = 64
     # The CPython 3.10 to build the native venv from and to copy into the image
@@ -182,12 +181,13 @@ def _net_plan(export) -> dict:
     }
 
 
-def build_spec(request, exports: dict, out_dir, work_dir, calls=None) -> dict:
+def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, calls=None) -> dict:
     """Prepare every input file and return the job spec (all paths absolute).
 
     Writes test inputs (and INT8 data lists) into ``work_dir``; the bmodel goes to
-    ``out_dir`` (the job's only other writable place). ``calls``: the verification
-    calls (``base.write_call_feeds``), or None to skip the cmodel run.
+    ``out_dir`` (the job's only other writable place). ``test_feeds``: each net's
+    --test_input (``real_test_feeds``). ``calls``: the verification calls
+    (``base.write_call_feeds``), or None to skip the cmodel run.
     """
     options, precision, target = request.options, request.precision, request.target
     chip = options.processor.lower()
@@ -198,11 +198,6 @@ def build_spec(request, exports: dict, out_dir, work_dir, calls=None) -> dict:
     calibration = list(request.calibrations)
     if precision in CALIBRATED and not calibration:
         raise NpuforgeError(f"precision {precision} needs calibration samples: pass --calibration")
-    seed = int(options.seed)
-
-    decode = exports["decode"]
-    decode_inputs = graph_inputs(decode.dir / decode.graphs[0]["file"])
-    states = warm_states(decode, decode_inputs, seed)
 
     steps, graphs, bmodels = [], [], []
     for variant, export in exports.items():
@@ -210,7 +205,7 @@ def build_spec(request, exports: dict, out_dir, work_dir, calls=None) -> dict:
         inputs = graph_inputs(onnx_path)
         gdir = work_dir / variant
         test_input = gdir / "test_input.npz"
-        written = make_test_input(export, inputs, test_input, states=states, seed=seed + 1)
+        written = make_test_input(inputs, test_feeds[variant]["feeds"], test_input)
         top_outputs = gdir / f"{variant}_top_outputs.npz"
         mlir = gdir / f"{variant}.mlir"
         bmodel = gdir / f"{variant}_{chip}_{precision}.bmodel"
@@ -284,6 +279,8 @@ def build_spec(request, exports: dict, out_dir, work_dir, calls=None) -> dict:
                 "onnx": str(onnx_path),
                 "tokens_per_call": export.tokens_per_call,
                 "inputs": written,
+                # --test_input: this net's feeds at this position of a held-out text run.
+                "test_input_position": test_feeds[variant]["position"],
             }
         )
         bmodels.append(bmodel)
@@ -341,6 +338,8 @@ def tpumlir_checks(spec: dict, result: dict) -> dict:
         "reference": "TPU-MLIR npz compare: top MLIR vs onnxruntime, "
         "tpu MLIR vs top MLIR, bmodel vs tpu MLIR",
         "tolerance": spec["tolerance"],
+        # Each check ran one input: the net's feeds at this held-out text position.
+        "test_input_positions": {g["net"]: g["test_input_position"] for g in spec["graphs"]},
         "cosine": min(cosines) if cosines else None,
         "passed": all(step["passed"] for step in result["steps"]),
         "similarity": {
@@ -389,6 +388,16 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
 # ---------------------------------------------------------------- compile
 
 
+def net_test_feeds(request, exports: dict) -> dict:
+    """Each net's --test_input: its feeds in an onnxruntime run over held-out text."""
+    schedule = test_schedule(exports)
+    needed = schedule[-1].position + schedule[-1].tokens
+    text = base.verification_tokens(
+        needed, exports["decode"], request.heldout, list(request.calibrations)
+    )
+    return real_test_feeds(exports, schedule, text["ids"])
+
+
 def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend interface
     """Spec -> toolchain job -> bmodel + compile.json in ``out_dir``, verified on the cmodel.
 
@@ -420,7 +429,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         work = tmp / "work"
         (work / "verify").mkdir(parents=True)
         calls = base.write_call_feeds(exports, schedule, text["ids"], work / "verify")
-        spec = build_spec(request, exports, tmp, work, calls)
+        spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), calls)
         spec_path = work / "spec.json"
         write_json(spec_path, spec)
         read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])

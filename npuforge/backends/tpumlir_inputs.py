@@ -5,8 +5,8 @@ from pathlib import Path
 
 from npuforge.errors import NpuforgeError
 
-# Decode steps run on onnxruntime to give the test input realistic (non-zero) states.
-WARMUP_STEPS = 4
+# Decode calls before the captured one when an export has no prefill net.
+DECODE_WARMUP = 4
 
 
 def graph_inputs(onnx_path) -> list[dict]:
@@ -31,58 +31,56 @@ def graph_inputs(onnx_path) -> list[dict]:
     return inputs
 
 
-def _roles(export) -> dict:
-    return {spec["name"]: spec for spec in export.graphs[0]["inputs"]}
+def test_schedule(exports: dict) -> list:
+    """The run whose feeds become each net's --test_input: two prefill calls (the second
+    from the state the first left) and one decode call, or one prefill call when the KV
+    cache cannot hold two; decode-only exports run ``DECODE_WARMUP`` decode calls first."""
+    from npuforge.backends import base
+    from npuforge.bundle_runner import context_limit
+
+    if "prefill" not in exports:
+        return base.verification_schedule(exports, DECODE_WARMUP + 1)
+    tokens = exports["prefill"].tokens_per_call
+    limit = context_limit(exports["prefill"].meta)
+    calls = 2 if limit is None or limit > 2 * tokens else 1
+    return base.verification_schedule(exports, calls * tokens + 1, calls)
 
 
-def warm_states(decode, inputs, seed: int) -> dict:
-    """Recurrent states after a few decode steps from zero: realistic test values."""
-    import numpy as np
-    import onnxruntime as ort
-
-    roles = _roles(decode)
-    vocab = decode.meta["vocab_size"]
-    session = ort.InferenceSession(
-        str(decode.dir / decode.graphs[0]["file"]), providers=["CPUExecutionProvider"]
-    )
-    rng = np.random.default_rng(seed)
-    feed = {spec["name"]: np.zeros(spec["shape"], dtype=spec["dtype"]) for spec in inputs}
-    output_names = [o.name for o in session.get_outputs()]
-    for _ in range(WARMUP_STEPS):
-        for spec in inputs:
-            if roles.get(spec["name"], {}).get("role") == "tokens":
-                feed[spec["name"]] = rng.integers(0, vocab, spec["shape"]).astype(spec["dtype"])
-        outputs = dict(zip(output_names, session.run(None, feed), strict=True))
-        for spec in inputs:
-            source = roles.get(spec["name"], {}).get("output")
-            if source in outputs:
-                feed[spec["name"]] = outputs[source].astype(spec["dtype"])
-    return {
-        name: value for name, value in feed.items() if roles.get(name, {}).get("role") == "state"
-    }
-
-
-def make_test_input(export, inputs, path, *, states=None, seed=0) -> dict:
-    """Write the --test_input .npz: token ids in range, states warm (or zeros).
-
-    Keys are the graph's input names, values have the graph's exact shapes and dtypes.
-    """
+def real_test_feeds(exports: dict, schedule, ids) -> dict:
+    """Each variant's feeds at its last call of ``schedule`` over ``ids`` (held-out text),
+    run by onnxruntime on the fp32 exports: real tokens, mask and position rows, and the
+    states a real run carries, so TPU-MLIR's own similarity checks see what a device sees.
+    Returns ``{variant: {"position": p, "feeds": {input name: array}}}``."""
     import numpy as np
 
-    roles = _roles(export)
-    rng = np.random.default_rng(seed)
+    from npuforge.backends import base
+
+    captured = {}
+
+    def capture(variant, chunk, feeds):
+        if chunk:
+            raise NpuforgeError("TPU-MLIR builds take one-chunk exports; re-export with chunks: 1")
+        captured[variant] = {k: np.array(v, copy=True) for k, v in feeds.items()}
+
+    base.reference_logits(exports, schedule, ids, capture=capture)
+    last = {call.variant: call.position for call in schedule}
+    return {v: {"position": last[v], "feeds": feeds} for v, feeds in captured.items()}
+
+
+def make_test_input(inputs, feeds: dict, path) -> dict:
+    """Write the --test_input .npz from a real run's ``feeds``: keys are the graph's input
+    names, values have the graph's exact shapes and dtypes."""
+    import numpy as np
+
     arrays = {}
     for spec in inputs:
-        role = roles.get(spec["name"], {}).get("role")
-        if role == "tokens":
-            value = rng.integers(0, export.meta["vocab_size"], spec["shape"])
-        elif states is not None and spec["name"] in states:
-            value = states[spec["name"]]
-        elif role == "state":
-            value = np.zeros(spec["shape"])
-        else:
-            value = rng.standard_normal(spec["shape"]) * 0.1
-        arrays[spec["name"]] = np.asarray(value).astype(spec["dtype"]).reshape(spec["shape"])
+        if spec["name"] not in feeds:
+            raise NpuforgeError(
+                f"the graph takes '{spec['name']}', which the onnxruntime run did not feed: "
+                "re-export the model"
+            )
+        value = np.asarray(feeds[spec["name"]])
+        arrays[spec["name"]] = value.astype(spec["dtype"]).reshape(spec["shape"])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
         np.savez(handle, **arrays)
