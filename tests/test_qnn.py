@@ -241,6 +241,50 @@ def test_squares_become_mul_and_their_exponents_go():
     np.testing.assert_allclose(session.run(["y"], {"x": x})[0], want, rtol=1e-6)
 
 
+def test_residual_branches_get_ranges_covering_their_stream():
+    """Only a projection's output added to an activation is a residual branch: a bias add,
+    a sum of two activation products and an add of a constant are not."""
+    from onnx import TensorProto, helper
+
+    def weight(name):
+        return helper.make_tensor(name, TensorProto.FLOAT, [4, 4], [0.1] * 16)
+
+    bias = helper.make_tensor("bias", TensorProto.FLOAT, [4], [0.5] * 4)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w_o"], ["attn"]),
+            helper.make_node("Add", ["x", "attn"], ["h"]),
+            helper.make_node("MatMul", ["h", "w_down"], ["mlp"]),
+            helper.make_node("Add", ["mlp", "h"], ["out"]),
+            helper.make_node("MatMul", ["out", "w_b"], ["pre_bias"]),
+            helper.make_node("Add", ["pre_bias", "bias"], ["biased"]),
+            helper.make_node("MatMul", ["out", "out_t"], ["scores"]),
+            helper.make_node("Add", ["scores", "out"], ["not_residual"]),
+        ],
+        "residual",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4]),
+            helper.make_tensor_value_info("out_t", TensorProto.FLOAT, [4, 4]),
+        ],
+        [helper.make_tensor_value_info("not_residual", TensorProto.FLOAT, [4, 4])],
+        [weight("w_o"), weight("w_down"), weight("w_b"), bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    pairs = qnn_job.residual_branches(model)
+    assert pairs == [("x", "attn"), ("h", "mlp")]
+
+    def span(lo, hi):
+        return {"rmin": np.float32(lo), "rmax": np.float32(hi)}
+
+    ranges = {"x": span(-10, 40), "attn": span(-1, 2), "h": span(-3, 5), "mlp": span(-60, 1)}
+    covered = qnn_job.ranges_covering_stream(ranges, pairs)
+    # The branch reaches as far as its stream on both sides; its own wider side stays.
+    assert {k: (float(v["rmin"]), float(v["rmax"])) for k, v in covered.items()} == {
+        "attn": (-40.0, 40.0),
+        "mlp": (-60.0, 5.0),
+    }
+
+
 def test_row_matmuls_of_two_activations_become_mul_reducesum():
     import onnx
     import onnxruntime as ort

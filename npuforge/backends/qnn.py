@@ -86,6 +86,10 @@ class Options(base.CommonOptions):
     # output channel, not the precision's 8 or 4 bits (e.g. attention projections
     # whose inputs carry outlier channels).
     weights_16bit: list | None = None
+    # Residual branches (o_proj, down_proj outputs) get 16-bit ranges covering the stream
+    # they are added to: a token whose MLP makes or erases a massive activation the
+    # calibration never saw is not clipped.
+    cover_stream: bool = False
     # ep (ONNX Runtime's QNN EP, runs here) or sdk (the QNN SDK's tools, QNN_SDK_ROOT).
     route: str = "ep"
     # The QNN SDK for the sdk route (else $QNN_SDK_ROOT).
