@@ -268,6 +268,15 @@ def test_plan_chunks_and_precision_checks():
     assert rknn.unavailable_reason("native", options(RK3588)) is None
 
 
+def test_gate_hint_suggests_only_the_algorithms_not_in_use():
+    for algorithm in rknn.QUANTIZED_ALGORITHMS:
+        options = rknn.Options(target_platform="rk3588", quantized_algorithm=algorithm)
+        hint = rknn.gate_hint(options)
+        suggested = hint.split(",")[0]
+        assert algorithm not in suggested
+        assert all(a in suggested for a in rknn.QUANTIZED_ALGORITHMS if a != algorithm)
+
+
 def test_float16_selection_is_checked():
     keep = options({**RK3588, "float16": {"w8a8": {"except_op_types": ["Conv", "Conv"]}}})
     assert rknn.float16_selection(keep, "w8a8") == {"except_op_types": ["Conv"]}

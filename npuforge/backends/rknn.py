@@ -91,6 +91,15 @@ class Options(base.CommonOptions):
         return self.target_platform.lower()
 
 
+def gate_hint(options: Options) -> str:
+    """What to try when a quantized binary fails its gate (the algorithms not tried yet)."""
+    others = [a for a in QUANTIZED_ALGORITHMS if a != options.quantized_algorithm]
+    return (
+        f"try quantized_algorithm {' or '.join(others)}, more calibration samples, a "
+        "float16 selection (option float16) or fp16"
+    )
+
+
 def check_target(target_id: str, options: Options, precisions) -> None:
     """Every precision the registry lists must be one the platform builds (parse time)."""
     for precision in precisions:
@@ -419,7 +428,6 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             target,
             precision,
             verification,
-            "try quantized_algorithm kl_divergence, more calibration samples, a float16 "
-            "selection (option float16) or fp16",
+            gate_hint(options),
         )
     return record
