@@ -47,10 +47,37 @@ def _os_refusal(err: BaseException) -> OSError | None:
     return None
 
 
+class Stopped(BaseException):
+    """The step received SIGTERM (Snakemake stopping its jobs, a cluster's time limit)."""
+
+
+def _stopped(signum, frame):
+    raise Stopped()
+
+
 def run_cli(main, argv=None) -> int:
     """Run ``main(argv)``; turn an NpuforgeError, an operating-system refusal (disk full,
     file size limit, read-only filesystem) or running out of memory into one line on
-    stderr and exit 2. Outputs are written atomically, so nothing partial is left."""
+    stderr and exit 2. Outputs are written atomically, so nothing partial is left; a
+    SIGTERM unwinds the step the same way (its toolchain job stopped, its temporary
+    outputs removed) and exits 143."""
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return _run_main(main, argv)
+    except Stopped:
+        fail("stopped by SIGTERM; nothing of this step was kept")
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_main(main, argv) -> int:
     try:
         main(argv)
     except NpuforgeError as err:

@@ -470,7 +470,10 @@ def container_command(stamp, job_script, spec_path, *, read_only=(), writable=()
     engine = stamp["runtime"]
     job_script = Path(job_script).resolve()
     spec_path = Path(spec_path).resolve()
-    cmd = [engine, "run", "--rm", "--network=none", "--tmpfs", "/tmp", "--workdir", "/tmp"]
+    # --init: a tiny PID 1 passes the engine's signals on; the job as PID 1 would ignore a
+    # SIGTERM (no handler) and keep compiling after its step was stopped.
+    cmd = [engine, "run", "--rm", "--init", "--network=none", "--tmpfs", "/tmp"]
+    cmd += ["--workdir", "/tmp"]
     uid, gid = job_user()
     if engine == "podman" and os.getuid() != 0:
         cmd += ["--userns=keep-id"]
@@ -504,44 +507,78 @@ def _run_reporting(cmd, env, cwd, what: str, *, quiet_s: float = 10.0, out=None)
         tempfile.TemporaryFile("w+b") as captured,
         open(f"/dev/fd/{captured.fileno()}", "rb") as reader,
     ):
+        # A process group of its own: stopping the job stops every process it started.
         process = subprocess.Popen(
-            [str(c) for c in cmd], stdout=captured, stderr=subprocess.STDOUT, env=env, cwd=cwd
+            [str(c) for c in cmd],
+            stdout=captured,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
         )
-        chunks, pending = [], b""
-        start = last = time.monotonic()
+        try:
+            return _report_until_done(process, reader, out, what, quiet_s)
+        except BaseException:
+            # The step was stopped (SIGTERM, Ctrl-C): stop the job (a container engine
+            # passes it on) rather than leave it compiling.
+            _stop(process)
+            raise
 
-        def echo(data: bytes):
-            nonlocal pending
-            pending += data
-            *complete, pending = pending.split(b"\n")
-            for line in complete:
-                out.write(line.decode(errors="replace") + "\n")
-            out.flush()
 
-        while True:
-            try:
-                process.wait(timeout=min(1.0, quiet_s))
-                finished = True
-            except subprocess.TimeoutExpired:
-                finished = False
-            data = reader.read()
-            now = time.monotonic()
-            if data:
-                chunks.append(data)
-                echo(data)
-                last = now
-            elif not finished and now - last >= quiet_s:
-                said = b"".join(chunks).strip().rsplit(b"\n", 1)[-1][:120].decode(errors="replace")
-                out.write(
-                    f"{what} running for {now - start:.0f} s (last output: {said or 'none yet'})\n"
-                )
-                out.flush()
-                last = now
-            if finished:
-                break
-        if pending:
-            out.write(pending.decode(errors="replace") + "\n")
+def _stop(process, grace_s: float = 30.0) -> None:
+    """SIGTERM to the job's process group, SIGKILL after ``grace_s``."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _report_until_done(process, reader, out, what: str, quiet_s: float):
+    """Echo the job's output as it comes, and a line after every ``quiet_s`` seconds of
+    silence; return (exit code, output) once it ends."""
+    chunks, pending = [], b""
+    start = last = time.monotonic()
+
+    def echo(data: bytes):
+        nonlocal pending
+        pending += data
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            out.write(line.decode(errors="replace") + "\n")
+        out.flush()
+
+    while True:
+        try:
+            process.wait(timeout=min(1.0, quiet_s))
+            finished = True
+        except subprocess.TimeoutExpired:
+            finished = False
+        data = reader.read()
+        now = time.monotonic()
+        if data:
+            chunks.append(data)
+            echo(data)
+            last = now
+        elif not finished and now - last >= quiet_s:
+            said = b"".join(chunks).strip().rsplit(b"\n", 1)[-1][:120].decode(errors="replace")
+            out.write(
+                f"{what} running for {now - start:.0f} s (last output: {said or 'none yet'})\n"
+            )
             out.flush()
+            last = now
+        if finished:
+            break
+    if pending:
+        out.write(pending.decode(errors="replace") + "\n")
+        out.flush()
     return process.returncode, b"".join(chunks).decode(errors="replace")
 
 

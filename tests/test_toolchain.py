@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ import pytest
 from npuforge import toolchain
 from npuforge.cache import CACHE_ENV
 from npuforge.errors import NpuforgeError
+
+REPO = Path(__file__).resolve().parents[1]
 
 VERSIONS_PY = "import json, sys\nprint(json.dumps({'python': sys.version.split()[0]}))\n"
 
@@ -144,6 +148,77 @@ def test_a_quiet_job_is_reported_while_it_runs():
     assert all(b.endswith("(last output: quantizing)") for b in beats)
 
 
+STOPPABLE_JOB_PY = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1], "w") as pids:
+    pids.write(f"{os.getpid()} {child.pid}")
+print("started", flush=True)
+time.sleep(600)
+"""
+
+# A step CLI whose job runs in the toolchain (argv: the job command as JSON, the output
+# path): run_cli around an atomic output, as compile.py has.
+STEP_PY = """
+import json, sys
+from npuforge import toolchain
+from npuforge.cli import run_cli
+from npuforge.fileio import atomic_path
+
+def main(argv):
+    with atomic_path(sys.argv[2]) as tmp:
+        tmp.mkdir()
+        (tmp / "partial.bin").write_bytes(b"x")
+        toolchain._run_reporting(json.loads(sys.argv[1]), None, None, "toy job")
+
+sys.exit(run_cli(main))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def _stop_step_once_started(job_cmd, out, started) -> subprocess.CompletedProcess:
+    step = subprocess.Popen(
+        [sys.executable, "-c", STEP_PY, json.dumps(job_cmd), str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not started() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started(), "the job never started"
+    step.send_signal(signal.SIGTERM)
+    stdout, stderr = step.communicate(timeout=60)
+    return subprocess.CompletedProcess(step.args, step.returncode, stdout, stderr)
+
+
+def test_a_stopped_step_stops_its_job_and_keeps_nothing(tmp_path):
+    """SIGTERM (Snakemake stopping its jobs, a cluster's time limit) reaches the job and
+    every process it started; the step's temporary output goes; one line says so."""
+    job = tmp_path / "job.py"
+    job.write_text(STOPPABLE_JOB_PY)
+    pids = tmp_path / "pids.txt"
+    out = tmp_path / "out"
+    done = _stop_step_once_started(
+        [sys.executable, str(job), str(pids)], out, lambda: pids.is_file() and pids.read_text()
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: stopped by SIGTERM; nothing of this step was kept"
+    )
+    job_pid, child_pid = map(int, pids.read_text().split())
+    assert not _alive(job_pid) and not _alive(child_pid)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py", "pids.txt"]
+
+
 def test_broken_lock_leaves_no_venv(tmp_path, private_cache):
     make_backend(tmp_path, lock="this-package-does-not-exist-npuforge==0.0.0\n")
     stamp_path = tmp_path / "toolchains" / "toy-native.json"
@@ -182,6 +257,8 @@ def test_container_command_isolates_the_job(tmp_path):
         env={"MALLOC_PERTURB_": "0"},
     )
     assert cmd[:3] == ["podman", "run", "--rm"]
+    # A signal-passing PID 1: the job itself as PID 1 would ignore SIGTERM.
+    assert "--init" in cmd
     assert "--network=none" in cmd
     uid, gid = toolchain.job_user()
     assert cmd[cmd.index("--user") + 1] == f"{uid}:{gid}"
@@ -268,6 +345,21 @@ def test_podman_runtime_runs_the_job_offline_as_the_user(tmp_path):
         job, spec, _ = write_job(tmp_path, fail=True)
         with pytest.raises(NpuforgeError, match="the compiler rejected node X"):
             toolchain.run_job(stamp_path, job, spec, writable=[out_dir])
+
+        # A stopped step stops its container too (the job is not PID 1, which would
+        # ignore the SIGTERM).
+        sleeper = tmp_path / "jobs" / "sleeper.py"
+        sleeper.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+        ours = ["podman", "ps", "-q", "--filter", f"ancestor={stamp['image']}"]
+
+        def running():
+            return subprocess.run(ours, capture_output=True, text=True).stdout.split()
+
+        cmd = toolchain.container_command(stamp, sleeper, spec)
+        done = _stop_step_once_started(cmd, tmp_path / "stopped", running)
+        assert done.returncode == 128 + signal.SIGTERM, done.stderr
+        assert running() == []
+        assert not (tmp_path / "stopped").exists()
     finally:
         subprocess.run(["podman", "rmi", "-f", stamp["image"]], capture_output=True)
 
