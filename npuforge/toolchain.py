@@ -131,16 +131,27 @@ def unavailable_reason(backend: str, runtime: str, target_options=None) -> str |
     return None
 
 
-def _typed(module, target_options):
-    """A backend's typed Options from a target's options mapping (typed ones and None, for
-    a toolchain prepared without a target, pass through)."""
-    if target_options is None or not hasattr(module, "Options"):
-        return target_options
-    if isinstance(target_options, module.Options):
-        return target_options
-    from npuforge.backends import parse_options
+def toolchain_options(backend: str, target_options) -> dict:
+    """The part of a target's options that its backend's toolchain reads (its module's
+    ``TOOLCHAIN_OPTIONS``: a native interpreter, an SDK path). One environment serves
+    every target of a backend, so the rest (a SoC, a precision's float16 layers) must
+    not make it look changed when another target of that backend is built."""
+    names = getattr(_backend_module(backend), "TOOLCHAIN_OPTIONS", ())
+    return {name: target_options[name] for name in names if name in (target_options or {})}
 
-    return parse_options(module.Options, target_options, f"{module.NAME} target options")
+
+def _typed(module, target_options):
+    """What the backend's toolchain code sees of a target's options: an object with each
+    of its ``TOOLCHAIN_OPTIONS`` (None when unset); None passes through (a toolchain
+    prepared without a target)."""
+    import types
+
+    if target_options is None:
+        return None
+    names = getattr(module, "TOOLCHAIN_OPTIONS", ())
+    if isinstance(target_options, dict):
+        return types.SimpleNamespace(**{name: target_options.get(name) for name in names})
+    return types.SimpleNamespace(**{name: getattr(target_options, name, None) for name in names})
 
 
 def _native_base_python(backend: str, target_options) -> str:

@@ -193,11 +193,13 @@ def target_calibration_dirs(model, target):
 
 
 def toolchain_options(backend):
-    # One environment per backend: the first selected target of it supplies options
-    # such as a native interpreter path.
+    # One environment per backend: the first selected target of it supplies the options
+    # its toolchain reads (a native interpreter path), and only those.
+    from npuforge.toolchain import toolchain_options as read_by_toolchain
+
     for target in PLAN.vendor_targets():
         if TARGETS[target]["backend"] == backend:
-            return TARGETS[target]["options"]
+            return read_by_toolchain(backend, TARGETS[target]["options"])
     return {}
 
 

@@ -297,6 +297,10 @@ def test_edited_toolchain_definition_prepares_the_toolchain_again(workflow):
     select = ("--config", "target=RK3588")
     snakemake(workflow, stamp, *select, check=True)
     assert "Nothing to be done" in snakemake(workflow, "--dry-run", stamp, *select).stdout
+    # Another SoC of the backend (other options, other float16 layers) shares the
+    # environment: selecting it must not prepare it again, nor rebuild RK3588's binaries.
+    other = snakemake(workflow, "--dry-run", stamp, "--config", "target=RK3576")
+    assert "Nothing to be done" in other.stdout, other.stdout + other.stderr
     versions = workflow / "envs" / "rknn" / "versions.py"
     versions.write_text(versions.read_text() + "# an edit to the toolchain's definition\n")
     dry = snakemake(workflow, "--dry-run", stamp, *select)

@@ -25,6 +25,10 @@ PRECISIONS = ("fp32",)
 FLOORS = {"fp32": {"min_cosine": 0.9999, "min_top1": 0.99, "max_perplexity_delta": 0.001}}
 
 
+# Target options the toolchain's preparation and checks read (npuforge.toolchain).
+TOOLCHAIN_OPTIONS = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options(base.CommonOptions):
     """The reference target takes only the common options (verify_steps, floors)."""

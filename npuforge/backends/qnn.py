@@ -69,6 +69,10 @@ FLOORS = {
 }
 
 
+# Target options the toolchain's preparation and checks read (npuforge.toolchain).
+TOOLCHAIN_OPTIONS = ("route", "qnn_sdk_root")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options(base.CommonOptions):
     """QNN target options (config/targets.yaml ``options``)."""

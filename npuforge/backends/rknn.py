@@ -59,6 +59,10 @@ FLOAT16_KEYS = ("op_types", "except_op_types")
 FLOAT16_NAMED = "layers_named"
 
 
+# Target options the toolchain's preparation and checks read (npuforge.toolchain).
+TOOLCHAIN_OPTIONS = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options(base.CommonOptions):
     """RKNN target options (config/targets.yaml ``options``)."""

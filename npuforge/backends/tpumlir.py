@@ -74,6 +74,10 @@ FLOORS = {
 __all__ = ["image_build_contexts", "native_python", "unavailable_reason"]
 
 
+# Target options the toolchain's preparation and checks read (npuforge.toolchain).
+TOOLCHAIN_OPTIONS = ("python",)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options(base.CommonOptions):
     """TPU-MLIR target options (config/targets.yaml ``options``)."""
