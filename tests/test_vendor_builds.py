@@ -231,6 +231,28 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
     assert not (results / "release").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.toolchain
+@pytest.mark.skipif(RKNN_PODMAN is not None, reason=f"rknn in podman: {RKNN_PODMAN}")
+def test_trained_smollm2_w16a16i_dfp_passes_the_8bit_gate_on_the_rknn_simulator(workflow):
+    """A quantized build of a trained model, end to end: 16-bit integer matmuls (the rest
+    float16) keep SmolLM2-135M's next-token choices and perplexity on held-out text."""
+    from npuforge.backends.base import TRAINED_FLOORS
+
+    select = ("--config", "model=smollm2-135m", "target=RK3588", "precision=w16a16i_dfp")
+    snakemake(workflow, *select, "toolchain_runtime=podman", check=True)
+    bundle = workflow / "results" / "release" / "smollm2-135m" / "RK3588" / "w16a16i_dfp"
+    compiled = check_bundle(bundle)["compile"]
+    figures = compiled["verification"]
+    assert figures["floors"] == TRAINED_FLOORS["w16a16i_dfp"] and figures["passed"]
+    assert figures["positions"] >= 64 and figures["nan_inf"] == 0
+    assert figures["top1_agreement"] >= 0.95
+    assert abs(figures["perplexity"]["delta"]) <= 0.03
+    assert figures["text"]["source"] == "data/calibration/heldout.txt"
+    assert compiled["options"]["calibration"]["samples"] == 64
+    assert compiled["options"]["float16"]["selection"] == {"except_op_types": ["Conv"]}
+
+
 TPUMLIR_NATIVE = toolchain.unavailable_reason("tpumlir", "native", target_options("BM1684X"))
 TPUMLIR_PODMAN = toolchain.unavailable_reason("tpumlir", "podman", target_options("BM1684X"))
 
