@@ -732,6 +732,29 @@ def test_simulator_logits_below_the_floor_fail_without_output(exports, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stamp.json"]
 
 
+def test_image_jobs_link_their_chips_cmodel_in_private_tmp(tmp_path):
+    """TPU-MLIR selects a chip by re-linking libcmodel.so in its package, which a job
+    cannot write in the image: there the links point into the container's /tmp and the
+    job links its chip's files; a native venv's own links are left to TPU-MLIR."""
+    lib, chip = tmp_path / "tpu_mlir" / "lib", tmp_path / "tpumlir-chip"
+    lib.mkdir(parents=True)
+    for name in ("libcmodel_bm1684x.so", "libcmodel_bm1688.so", "libbmlib_bm1684x.so.0"):
+        (lib / name).write_bytes(name.encode())
+    (lib / "libcmodel.so").symlink_to(lib / "libcmodel_bm1684x.so")
+    assert job.select_chip_libraries("bm1688", lib, chip) is False
+    assert not chip.exists()
+
+    (lib / "libcmodel.so").unlink()
+    (lib / "libcmodel.so").symlink_to(chip / "libcmodel.so")
+    (lib / "libbmlib.so.0").symlink_to(chip / "libbmlib.so.0")
+    for processor in ("bm1688", "bm1684x"):
+        assert job.select_chip_libraries(processor, lib, chip) is True
+        assert (lib / "libcmodel.so").read_bytes() == f"libcmodel_{processor}.so".encode()
+        assert (lib / "libbmlib.so.0").read_bytes() == b"libbmlib_bm1684x.so.0"
+    with pytest.raises(SystemExit, match="no cmodel for bm1690"):
+        job.select_chip_libraries("bm1690", lib, chip)
+
+
 def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
     state = tmp_path / "chat.pth"
     state.write_bytes(b"state")

@@ -33,6 +33,10 @@ _FIGURE_LINE = re.compile(
 _VERDICT_LINE = re.compile(r"npz compare (?P<ok>PASSED|FAILED)")
 # How the cmodel check reports each call it runs.
 VERIFY_PROGRESS = "verify: call "
+# In the image, the package's chip-selecting links (libcmodel.so, libbmlib.so.0) point
+# here, into the container's private /tmp: the image is read-only to the job, and
+# TPU-MLIR selects a chip by re-linking them in its package directory.
+CHIP_LIBRARIES = Path("/tmp/tpumlir-chip")
 
 
 def parse_comparisons(text: str) -> list[dict]:
@@ -324,6 +328,34 @@ def write_result(spec: dict, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def select_chip_libraries(processor: str, lib=None, chip_dir=CHIP_LIBRARIES) -> bool:
+    """Point the image's chip-selecting links at ``processor``'s cmodel (and the bmlib
+    the runtime links against); False, doing nothing, where the package's own links
+    are writable (a native venv: TPU-MLIR's tools switch them themselves)."""
+    if lib is None:
+        found = importlib.util.find_spec("tpu_mlir")
+        if found is None:
+            return False  # the steps say that tpu_mlir is missing
+        lib = Path(found.submodule_search_locations[0]) / "lib"
+    lib, chip_dir = Path(lib), Path(chip_dir)
+    link = lib / "libcmodel.so"
+    if not (link.is_symlink() and Path(os.readlink(link)).parent == chip_dir):
+        return False
+    chip_dir.mkdir(exist_ok=True)
+    chosen = {
+        "libcmodel.so": lib / f"libcmodel_{processor.lower()}.so",
+        "libbmlib.so.0": lib / "libbmlib_bm1684x.so.0",
+    }
+    for name, target in chosen.items():
+        if not target.is_file():
+            raise SystemExit(f"error: {target} is missing: TPU-MLIR has no cmodel for {processor}")
+        path = chip_dir / name
+        if path.is_symlink():
+            path.unlink()
+        path.symlink_to(target)
+    return True
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verify_only = argv[:1] == ["--verify"]
@@ -333,6 +365,8 @@ def main(argv=None) -> int:
         return 2
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     spec["spec_path"] = os.path.abspath(argv[0])
+    if spec.get("processor"):
+        select_chip_libraries(spec["processor"])
     if verify_only:
         verify(spec)
     else:
