@@ -2,9 +2,11 @@
 # Install and configure rootful podman the way it works on our build machines:
 # runc as the OCI runtime and explicit ulimits (the defaults fail inside our sandbox).
 set -euo pipefail
-if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
+# catatonit: the init that `podman run --init` puts before each job (signals reach it).
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null \
+   || [ ! -x /usr/libexec/podman/catatonit ]; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap catatonit >/dev/null
 fi
 mkdir -p /etc/containers/containers.conf.d
 cat > /etc/containers/containers.conf.d/50-npuforge.conf <<'CONF'
