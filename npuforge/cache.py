@@ -3,7 +3,9 @@ checkout and CI run on the machine, outside any checkout (like huggingface_hub's
 
 ``$NPUFORGE_CACHE``, else ``$XDG_CACHE_HOME/npuforge``, else ``~/.cache/npuforge``.
 Entries are keyed by what determines their content (a lock's hash, a package
-version), written whole under a lock and never changed afterwards.
+version), written whole under a lock and never changed afterwards. An entry's
+``.lock`` file is its last-use time: the most recently used versions of each
+toolchain stay (``KEPT_VERSIONS``), older ones are evicted unless a job is using them.
 """
 
 import contextlib
@@ -22,12 +24,63 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "npuforge"
 
 
+# Versions of one toolchain kept on the machine: the one in use and the one before it,
+# so two checkouts (a release branch and main) do not rebuild each other's. A TPU-MLIR
+# venv or image is ~6 GB: without a bound, every lock edit left one more behind.
+KEPT_VERSIONS = 2
+
+
+def lock_path(entry: Path) -> Path:
+    entry = Path(entry)
+    return entry.parent / f"{entry.name}.lock"
+
+
 @contextlib.contextmanager
 def entry_lock(entry: Path):
     """Hold an exclusive lock on ``entry`` (a sibling ``.lock`` file) while building it:
-    a second builder waits, then finds the entry complete."""
+    a second builder waits, then finds the entry complete. Marks the entry used."""
     entry = Path(entry)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.parent / f"{entry.name}.lock", "w") as handle:
+    with open(lock_path(entry), "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+@contextlib.contextmanager
+def entry_in_use(entry: Path):
+    """Hold a shared lock on ``entry`` while a job uses it, so no eviction removes it
+    (a builder of the same entry waits too). Marks the entry used."""
+    lock = lock_path(entry)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        os.utime(lock)
+        yield
+
+
+def last_used(entry: Path) -> float:
+    """When ``entry`` was last built or used (0 when never, as by an older npuforge)."""
+    try:
+        return lock_path(entry).stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def evict_older(others, remove, keep: int = KEPT_VERSIONS - 1) -> tuple[list, list]:
+    """Keep the ``keep`` most recently used of ``others`` (entries beside the current one)
+    and call ``remove(entry)`` on the rest, each under its exclusive lock; an entry a job
+    or a builder holds is skipped. Returns (removed, busy)."""
+    removed, busy = [], []
+    for entry in sorted(others, key=last_used, reverse=True)[keep:]:
+        lock = lock_path(entry)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.append(entry)
+                continue
+            # The lock file stays: a builder already waiting on it must keep excluding others.
+            remove(entry)
+            removed.append(entry)
+    return removed, busy

@@ -7,11 +7,9 @@ backend module that fails to import is reported, never fatal.
 
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
-from npuforge.toolchain import REPO_ROOT
+from npuforge.toolchain import REPO_ROOT, environment_present
 
 NOT_BACKENDS = {"main", "base"}
 
@@ -37,18 +35,6 @@ def configured_runtime(repo_root=None) -> str:
         )
     except (OSError, ImportError, AttributeError):
         return "native"
-
-
-def _environment_present(stamp: dict) -> bool:
-    if stamp.get("runtime") == "native":
-        return bool(stamp.get("python")) and Path(stamp["python"]).exists()
-    engine = stamp.get("runtime")
-    if not shutil.which(engine or ""):
-        return False
-    probe = subprocess.run(
-        [engine, "image", "inspect", stamp.get("image", "")], capture_output=True, timeout=60
-    )
-    return probe.returncode == 0
 
 
 def _target_options(backend: str, repo_root=None) -> dict:
@@ -87,7 +73,7 @@ def probe(backend: str, runtime: str, results_dir, repo_root=None) -> dict:
             info["note"] = f"{stamp_path} is not JSON: prepare the toolchain again"
             return info
         info["versions"] = stamp.get("versions", {})
-        info["found"] = _environment_present(stamp)
+        info["found"] = environment_present(stamp)
         if not info["found"]:
             info["note"] = f"stamp {stamp_path} names an environment that is gone: prepare again"
     else:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from npuforge.cache import cache_root, entry_lock
+from npuforge.cache import KEPT_VERSIONS, cache_root, entry_in_use, entry_lock, evict_older
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 
@@ -169,7 +169,25 @@ def _run(cmd, *, log, env=None, what):
         [str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, text=True
     )
     if result.returncode != 0:
-        raise NpuforgeError(f"{what} failed (exit {result.returncode}): see {log.name}")
+        with open(log.name, encoding="utf-8", errors="replace") as written:
+            written.seek(max(0, os.fstat(written.fileno()).st_size - 65536))
+            full = disk_full(what, written.read())
+        raise NpuforgeError(full or f"{what} failed (exit {result.returncode}): see {log.name}")
+
+
+DISK_FULL = "No space left on device"
+
+
+def disk_full(what: str, output: str) -> str | None:
+    """One line for a step that filled the disk, naming where the space goes."""
+    if DISK_FULL not in output:
+        return None
+    return (
+        f"{what} ran out of disk space ({DISK_FULL}): free space for the machine's cache "
+        f"({cache_root()}), the container store and the results directory, then run again "
+        f"(a TPU-MLIR toolchain takes about 7 GB; older toolchain versions beyond "
+        f"{KEPT_VERSIONS} per backend are removed as new ones are built)"
+    )
 
 
 class _Tee:
@@ -253,16 +271,29 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
                 install += ["--no-cache-dir", "-r", lock]
                 log.write(f"$ {' '.join(map(str, install))}\n")
                 log.flush()
-                code, _ = _run_reporting(
+                code, output = _run_reporting(
                     install, env, None, f"installing {lock.name}", out=_Tee(log, sys.stdout)
                 )
                 if code != 0:
-                    raise NpuforgeError(f"installing {lock} failed (exit {code}): see {log.name}")
+                    what = f"installing {lock}"
+                    full = disk_full(what, output)
+                    raise NpuforgeError(full or f"{what} failed (exit {code}): see {log.name}")
             except BaseException:
                 shutil.rmtree(venv, ignore_errors=True)
                 raise
             (venv / ".complete").write_text("ok\n")
+    others = [p for p in venv.parent.glob(f"{backend}-native-*") if p.is_dir() and p != venv]
+    removed, busy = evict_older(others, shutil.rmtree)
+    _report_eviction(backend, [e.name for e in removed], [e.name for e in busy], log)
     return {"python": str(python), "versions": _versions_native(str(python), backend, repo_root)}
+
+
+def _report_eviction(backend, removed, busy, log) -> None:
+    for name in removed:
+        log.write(f"removed an older {backend} toolchain from the machine's cache: {name}\n")
+    for name in busy:
+        log.write(f"kept an older {backend} toolchain that a running job uses: {name}\n")
+    log.flush()
 
 
 def build_base_image(engine: str, log) -> None:
@@ -282,31 +313,52 @@ def image_exists(engine: str, image: str) -> bool:
 INPUT_LABEL_PREFIX = "npuforge."
 
 
+def image_marker(image: str) -> Path:
+    """The cache entry standing for a toolchain image: its lock file records the image's
+    last use and is held while the image is built or a job runs in it."""
+    return cache_root() / "images" / image.rsplit("/", 1)[-1].replace(":", "-")
+
+
+def _remove_image(engine: str, image: str) -> None:
+    """Remove ``image`` and the untagged build layers only it used (podman keeps each
+    build step as an image); a layer another image builds on stays."""
+
+    def inspect(ref, field):
+        probe = subprocess.run(
+            [engine, "image", "inspect", "--format", field, ref], capture_output=True, text=True
+        )
+        return probe.stdout.strip() if probe.returncode == 0 else None
+
+    parent = inspect(image, "{{.Parent}}")
+    if subprocess.run([engine, "rmi", image], capture_output=True).returncode != 0:
+        return
+    while parent and inspect(parent, "{{len .RepoTags}}") == "0":
+        above = inspect(parent, "{{.Parent}}")
+        if subprocess.run([engine, "rmi", parent], capture_output=True).returncode != 0:
+            return
+        parent = above
+
+
+def evict_older_images(backend, engine, image, log) -> None:
+    """Remove the images of ``image``'s repository beyond the cache's kept versions,
+    least recently used first (one never used by this npuforge counts as oldest)."""
+    listed = subprocess.run(
+        [engine, "images", "--format", "{{.Repository}}:{{.Tag}}", image.rsplit(":", 1)[0]],
+        capture_output=True,
+        text=True,
+    )
+    names = {image_marker(name): name for name in listed.stdout.split() if name != image}
+    removed, busy = evict_older(list(names), lambda marker: _remove_image(engine, names[marker]))
+    _report_eviction(backend, [names[m] for m in removed], [names[m] for m in busy], log)
+
+
 def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     image = image_name(backend, repo_root)
-    if not image_exists(engine, image):
-        if not image_exists(engine, BASE_IMAGE):
-            build_base_image(engine, log)
-        cmd = [engine, "build", "--network=host", "-t", image]
-        cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-        if cert and Path(cert).is_file():
-            # pip inside the build trusts what the host's pip trusts.
-            cmd += ["--volume", f"{cert}:/etc/npuforge-host-ca.crt:ro"]
-            cmd += ["--build-arg", "PIP_CERT=/etc/npuforge-host-ca.crt"]
-        cmd += _pip_source_args()
-        cmd += ["-f", env_dir(backend, repo_root) / "Containerfile"]
-        # A backend may need more than its envs/ directory (TPU-MLIR: a CPython 3.10).
-        module = _backend_module(backend)
-        contexts = getattr(module, "image_build_contexts", None)
-        with tempfile.TemporaryDirectory(prefix=f"npuforge-{backend}-context-") as staging:
-            if contexts is not None:
-                named, labels = contexts(_typed(module, target_options), Path(staging))
-                for name, path in named.items():
-                    cmd += ["--build-context", f"{name}={path}"]
-                for key, value in labels.items():
-                    cmd += ["--label", f"{key}={value}"]
-            cmd.append(env_dir(backend, repo_root))
-            _run(cmd, log=log, what=f"building image {image}")
+    # Another checkout may be building the same image: the second waits, then reuses it.
+    with entry_lock(image_marker(image)):
+        if not image_exists(engine, image):
+            _build_image(backend, engine, image, repo_root, target_options, log)
+    evict_older_images(backend, engine, image, log)
     versions = _run_in_image(
         engine,
         image,
@@ -325,6 +377,31 @@ def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     if inputs:
         described["image_inputs"] = inputs
     return described
+
+
+def _build_image(backend, engine, image, repo_root, target_options, log) -> None:
+    if not image_exists(engine, BASE_IMAGE):
+        build_base_image(engine, log)
+    cmd = [engine, "build", "--network=host", "-t", image]
+    cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+    if cert and Path(cert).is_file():
+        # pip inside the build trusts what the host's pip trusts.
+        cmd += ["--volume", f"{cert}:/etc/npuforge-host-ca.crt:ro"]
+        cmd += ["--build-arg", "PIP_CERT=/etc/npuforge-host-ca.crt"]
+    cmd += _pip_source_args()
+    cmd += ["-f", env_dir(backend, repo_root) / "Containerfile"]
+    # A backend may need more than its envs/ directory (TPU-MLIR: a CPython 3.10).
+    module = _backend_module(backend)
+    contexts = getattr(module, "image_build_contexts", None)
+    with tempfile.TemporaryDirectory(prefix=f"npuforge-{backend}-context-") as staging:
+        if contexts is not None:
+            named, labels = contexts(_typed(module, target_options), Path(staging))
+            for name, path in named.items():
+                cmd += ["--build-context", f"{name}={path}"]
+            for key, value in labels.items():
+                cmd += ["--label", f"{key}={value}"]
+        cmd.append(env_dir(backend, repo_root))
+        _run(cmd, log=log, what=f"building image {image}")
 
 
 def _run_in_image(engine: str, image: str, argv, what: str, stdin=None) -> str:
@@ -379,18 +456,72 @@ def prepare(backend, runtime, stamp_path, *, repo_root=None, target_options=None
     log_path = Path(log_path or stamp_path.with_suffix(".log"))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log:
-        if runtime == "native":
-            described = _prepare_native(backend, repo_root, target_options, log)
-        else:
-            described = _prepare_container(backend, runtime, repo_root, target_options, log)
+        described = _prepare_environment(backend, runtime, repo_root, target_options, log)
     stamp = {
         "backend": backend,
         "runtime": runtime,
         "env_hash": env_hash(backend, repo_root),
+        # What rebuilds the same environment should the machine's cache lose it.
+        "definition_root": str(Path(repo_root or REPO_ROOT).resolve()),
+        "options": toolchain_options(backend, target_options or {}),
         **described,
     }
     write_json(stamp_path, stamp)
     return stamp
+
+
+def _prepare_environment(backend, runtime, repo_root, target_options, log) -> dict:
+    if runtime == "native":
+        return _prepare_native(backend, repo_root, target_options, log)
+    return _prepare_container(backend, runtime, repo_root, target_options, log)
+
+
+def _environment_in_use(stamp: dict):
+    """Hold the machine-cache entry of a stamp's environment while a job runs in it (an
+    interpreter outside the cache is nobody's to evict)."""
+    if stamp["runtime"] != "native":
+        return entry_in_use(image_marker(stamp["image"]))
+    venv = Path(stamp["python"]).parents[1]
+    if venv.parent == cache_root() / "toolchains":
+        return entry_in_use(venv)
+    return contextlib.nullcontext()
+
+
+def environment_present(stamp: dict) -> bool:
+    """Whether the environment a stamp describes is still on this machine."""
+    if stamp.get("runtime") == "native":
+        return bool(stamp.get("python")) and Path(stamp["python"]).exists()
+    engine = stamp.get("runtime")
+    return bool(shutil.which(engine or "")) and image_exists(engine, stamp.get("image", ""))
+
+
+# What a rebuilt environment must reproduce of its stamp to stand in for it.
+DESCRIBING_KEYS = ("python", "image", "versions", "debian_packages", "image_inputs")
+
+
+def _rebuild_environment(stamp: dict, stamp_path, log_path) -> None:
+    """Build a stamp's environment again after the machine's cache lost it (evicted as an
+    older version, or removed by hand), from this checkout's identical definition; a
+    rebuild that comes out different (newer Debian packages) is refused."""
+    backend, runtime = stamp["backend"], stamp["runtime"]
+    again = f"rerun prepare_toolchain (delete {stamp_path}) to prepare it anew"
+    root = stamp.get("definition_root")
+    if "options" not in stamp or not root or env_hash(backend, root) != stamp.get("env_hash"):
+        raise NpuforgeError(
+            f"the {backend} toolchain that {stamp_path} names is gone from this machine and "
+            f"this checkout defines another: {again}"
+        )
+    log_path = Path(log_path or Path(stamp_path).with_suffix(".log"))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"the {backend} toolchain is gone from this machine: building it again", flush=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        described = _prepare_environment(backend, runtime, root, stamp["options"], log)
+    differs = [key for key in DESCRIBING_KEYS if described.get(key) != stamp.get(key)]
+    if differs:
+        raise NpuforgeError(
+            f"the {backend} toolchain rebuilt for {stamp_path} differs from it "
+            f"({', '.join(differs)}): {again}"
+        )
 
 
 def read_stamp(stamp_path) -> dict:
@@ -598,6 +729,20 @@ def run_job(
 ):
     """Run ``python job_script spec_path`` in the toolchain; raise NpuforgeError on failure."""
     stamp = read_stamp(stamp_path)
+    # Twice: an eviction may remove the environment between the check and the lock.
+    for _ in range(2):
+        if not environment_present(stamp):
+            _rebuild_environment(stamp, stamp_path, log_path)
+        with _environment_in_use(stamp):
+            if environment_present(stamp):
+                return _run_job_in(stamp, job_script, spec_path, read_only, writable, env, log_path)
+    raise NpuforgeError(
+        f"the {stamp['backend']} toolchain was removed again as its job started: another "
+        "checkout on this machine keeps evicting it; run one build at a time"
+    )
+
+
+def _run_job_in(stamp, job_script, spec_path, read_only, writable, env, log_path):
     if stamp["runtime"] == "native":
         cmd = [stamp["python"], str(Path(job_script).resolve()), str(Path(spec_path).resolve())]
         full_env = {**os.environ, **(env or {})}
@@ -648,6 +793,9 @@ def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str
         name = signal.Signals(number).name if number else None
     except ValueError:
         name = f"signal {number}"
+    full = disk_full(f"{what} in the {stamp['runtime']} toolchain", output)
+    if full:
+        return full + where
     memory = [line.strip() for line in output.splitlines() if any(m in line for m in OUT_OF_MEMORY)]
     if memory or name == "SIGKILL":
         said = memory[-1] if memory else "killed by SIGKILL, as the kernel's OOM killer does"

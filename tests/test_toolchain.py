@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,6 +343,14 @@ def test_podman_runtime_runs_the_job_offline_as_the_user(tmp_path):
         )
         assert (out_dir / "aslr.txt").read_text() == "True"
 
+        # An image the machine lost is built again, the same, when a job needs it.
+        subprocess.run(["podman", "rmi", stamp["image"]], capture_output=True, check=True)
+        job, spec, out_dir = write_job(tmp_path)
+        toolchain.run_job(
+            stamp_path, job, spec, read_only=[tmp_path / "in.txt"], writable=[out_dir]
+        )
+        assert (out_dir / "result.txt").read_text() == "HELLO"
+
         job, spec, _ = write_job(tmp_path, fail=True)
         with pytest.raises(NpuforgeError, match="the compiler rejected node X"):
             toolchain.run_job(stamp_path, job, spec, writable=[out_dir])
@@ -372,3 +381,110 @@ def test_debian_package_digest_names_the_package_set_whatever_its_order():
     assert toolchain.debian_package_digest(reordered) == digest
     upgraded = listing.replace("2.36-9+deb12u10", "2.36-9+deb12u11")
     assert toolchain.debian_package_digest(upgraded)["sha256"] != digest["sha256"]
+
+
+def test_only_the_two_most_recently_used_versions_stay_and_a_used_one_is_never_evicted(
+    tmp_path,
+):
+    from npuforge.cache import entry_in_use, evict_older, last_used
+
+    entries = [tmp_path / name for name in ("old", "older", "oldest", "busy")]
+    for age, entry in enumerate(entries):
+        entry.mkdir()
+        lock = entry.parent / f"{entry.name}.lock"
+        lock.touch()
+        os.utime(lock, (1000 - age, 1000 - age))
+    with entry_in_use(tmp_path / "busy"):
+        # Holding it marks it used: it is now the most recent, and kept either way.
+        assert last_used(tmp_path / "busy") > 1000
+        os.utime(tmp_path / "busy.lock", (1, 1))
+        removed, busy = evict_older(entries, lambda e: e.rmdir(), keep=1)
+    assert removed == [tmp_path / "older", tmp_path / "oldest"]
+    assert busy == [tmp_path / "busy"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["busy", "old"]
+
+
+def test_a_lock_edit_evicts_the_oldest_venv_and_a_lost_venv_is_rebuilt_for_its_job(
+    tmp_path, private_cache
+):
+    env = make_backend(tmp_path)
+    stamps = []
+    for version in ("", "# v2\n", "# v3\n"):
+        (env / "requirements.lock").write_text(version)
+        stamp_path = tmp_path / f"stamp-{len(stamps)}" / "toy-native.json"
+        stamp = toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+        stamps.append((stamp_path, stamp))
+    venvs = [Path(stamp["python"]).parents[1] for _, stamp in stamps]
+    assert [venv.is_dir() for venv in venvs] == [False, True, True]
+    log = (stamps[2][0].parent / "toy-native.log").read_text()
+    assert f"removed an older toy toolchain from the machine's cache: {venvs[0].name}" in log
+
+    # The first stamp's checkout is back at its lock: its job rebuilds the venv and runs.
+    (env / "requirements.lock").write_text("")
+    job, spec, out_dir = write_job(tmp_path)
+    toolchain.run_job(stamps[0][0], job, spec)
+    assert (out_dir / "result.txt").read_text() == "HELLO"
+    assert venvs[0].is_dir()
+
+    # A lost venv whose lock this checkout no longer has is a one-line error.
+    shutil.rmtree(venvs[0])
+    (env / "requirements.lock").write_text("# v4\n")
+    with pytest.raises(NpuforgeError, match="gone from this machine and this checkout defines"):
+        toolchain.run_job(stamps[0][0], job, spec)
+
+
+@pytest.mark.skipif(PODMAN is not None, reason=f"podman: {PODMAN}")
+def test_an_older_image_is_evicted_with_the_build_layers_only_it_used(tmp_path):
+    repository = f"localhost/npuforge-evicttoy{os.getpid()}"
+    log = open(tmp_path / "build.log", "w")
+    if not toolchain.image_exists("podman", toolchain.BASE_IMAGE):
+        toolchain.build_base_image("podman", log)
+
+    def inspect(ref, field):
+        probe = ["podman", "image", "inspect", "--format", field, ref]
+        done = subprocess.run(probe, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    tags = ("oldest", "older", "current")
+    try:
+        for age, tag in enumerate(reversed(tags)):
+            (tmp_path / "Containerfile").write_text(
+                f"FROM {toolchain.BASE_IMAGE}\nRUN echo {tag} > /tag\nRUN echo {tag} > /done\n"
+            )
+            build = ["podman", "build", "-q", "-t", f"{repository}:{tag}", str(tmp_path)]
+            subprocess.run(build, capture_output=True, check=True)
+            marker = toolchain.image_marker(f"{repository}:{tag}")
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            (marker.parent / f"{marker.name}.lock").touch()
+            os.utime(marker.parent / f"{marker.name}.lock", (1000 - age, 1000 - age))
+        layer_of_oldest = inspect(f"{repository}:oldest", "{{.Parent}}")
+        assert layer_of_oldest and inspect(layer_of_oldest, "{{len .RepoTags}}") == "0"
+
+        toolchain.evict_older_images("evicttoy", "podman", f"{repository}:current", log)
+        assert inspect(f"{repository}:oldest", "{{.Id}}") is None
+        assert inspect(layer_of_oldest, "{{.Id}}") is None
+        assert inspect(f"{repository}:older", "{{.Id}}")
+        assert inspect(toolchain.BASE_IMAGE, "{{.Id}}")
+        log.close()
+        assert f"{repository}:oldest" in (tmp_path / "build.log").read_text()
+    finally:
+        for tag in tags:
+            subprocess.run(["podman", "rmi", f"{repository}:{tag}"], capture_output=True)
+
+
+def test_a_job_that_fills_the_disk_says_so_in_one_line(tmp_path):
+    make_backend(tmp_path)
+    stamp_path = tmp_path / "toolchains" / "toy-native.json"
+    toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    job = tmp_path / "full.py"
+    job.write_text(
+        "import sys\nprint('writing chunk0')\n"
+        "print(\"OSError: [Errno 28] No space left on device: '/out/chunk0'\", file=sys.stderr)\n"
+        "sys.exit(1)\n"
+    )
+    (tmp_path / "spec.json").write_text("{}")
+    with pytest.raises(NpuforgeError) as raised:
+        toolchain.run_job(stamp_path, job, tmp_path / "spec.json")
+    message = str(raised.value)
+    assert message.startswith("toy job in the native toolchain ran out of disk space")
+    assert str(toolchain.cache_root()) in message and "\n" not in message
