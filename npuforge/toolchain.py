@@ -255,12 +255,17 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
     # lock deliberately overrides (rknn-toolkit2 asks for torch<=2.4): install exactly the lock.
     venv = native_venv(backend, repo_root)
     python = venv / "bin" / "python"
+    # Older versions go first: their space may be what this build needs.
+    others = [p for p in venv.parent.glob(f"{backend}-native-*") if p.is_dir() and p != venv]
+    removed, busy = evict_older(others, shutil.rmtree)
+    _report_eviction(backend, [e.name for e in removed], [e.name for e in busy], log)
     # Another checkout may be building the same venv: the second waits, then reuses it.
     with entry_lock(venv):
         if not (venv / ".complete").exists():
             log.write(f"building the {backend} toolchain venv in {venv}\n")
             log.flush()
             shutil.rmtree(venv, ignore_errors=True)
+            check_free_space(backend, venv.parent)
             base = _native_base_python(backend, target_options)
             try:
                 _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
@@ -282,10 +287,35 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
                 shutil.rmtree(venv, ignore_errors=True)
                 raise
             (venv / ".complete").write_text("ok\n")
-    others = [p for p in venv.parent.glob(f"{backend}-native-*") if p.is_dir() and p != venv]
-    removed, busy = evict_older(others, shutil.rmtree)
-    _report_eviction(backend, [e.name for e in removed], [e.name for e in busy], log)
     return {"python": str(python), "versions": _versions_native(str(python), backend, repo_root)}
+
+
+# What pip unpacks beside what it installs, as a share of the installed size.
+BUILD_HEADROOM = 0.5
+
+
+def check_free_space(backend: str, where: Path) -> None:
+    """Refuse to start a toolchain build that the disk under ``where`` cannot hold: the
+    backend's measured size (``TOOLCHAIN_SIZE_MB``) plus pip's headroom."""
+    size_mb = getattr(_backend_module(backend), "TOOLCHAIN_SIZE_MB", 0)
+    need_mb = int(size_mb * (1 + BUILD_HEADROOM))
+    existing = Path(where)
+    while not existing.exists():
+        existing = existing.parent
+    free_mb = shutil.disk_usage(existing).free // 2**20
+    if free_mb < need_mb:
+        raise NpuforgeError(
+            f"building the {backend} toolchain needs about {need_mb / 1024:.1f} GB free in "
+            f"{existing} ({size_mb / 1024:.1f} GB once installed, plus what pip unpacks) and "
+            f"{free_mb / 1024:.1f} GB are: free space there and run again"
+        )
+
+
+def _image_store(engine: str) -> Path:
+    """Where the engine keeps image layers (rootful podman: /var/lib/containers/storage)."""
+    field = {"podman": "{{.Store.GraphRoot}}", "docker": "{{.DockerRootDir}}"}[engine]
+    probe = subprocess.run([engine, "info", "--format", field], capture_output=True, text=True)
+    return Path(probe.stdout.strip() or "/")
 
 
 def _report_eviction(backend, removed, busy, log) -> None:
@@ -354,11 +384,12 @@ def evict_older_images(backend, engine, image, log) -> None:
 
 def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     image = image_name(backend, repo_root)
+    evict_older_images(backend, engine, image, log)
     # Another checkout may be building the same image: the second waits, then reuses it.
     with entry_lock(image_marker(image)):
         if not image_exists(engine, image):
+            check_free_space(backend, _image_store(engine))
             _build_image(backend, engine, image, repo_root, target_options, log)
-    evict_older_images(backend, engine, image, log)
     versions = _run_in_image(
         engine,
         image,

@@ -488,3 +488,18 @@ def test_a_job_that_fills_the_disk_says_so_in_one_line(tmp_path):
     message = str(raised.value)
     assert message.startswith("toy job in the native toolchain ran out of disk space")
     assert str(toolchain.cache_root()) in message and "\n" not in message
+
+
+def test_a_toolchain_build_the_disk_cannot_hold_does_not_start(
+    tmp_path, private_cache, monkeypatch
+):
+    import types
+
+    make_backend(tmp_path)
+    huge = types.SimpleNamespace(TOOLCHAIN_SIZE_MB=2**40)
+    monkeypatch.setattr(toolchain, "_backend_module", lambda backend: huge)
+    stamp_path = tmp_path / "toolchains" / "toy-native.json"
+    with pytest.raises(NpuforgeError, match=r"building the toy toolchain needs about [\d.]+ GB"):
+        toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
+    assert not stamp_path.exists()
+    assert not [p for p in (private_cache / "toolchains").iterdir() if p.is_dir()]

@@ -71,6 +71,9 @@ FLOORS = {
 
 # Target options the toolchain's preparation and checks read (npuforge.toolchain).
 TOOLCHAIN_OPTIONS = ("route", "qnn_sdk_root")
+# The toolchain's size on disk, the larger of its venv and image (venv 0.5 GB, image 0.8 GB,
+# measured 2026-11-27): a build refuses to start with less free.
+TOOLCHAIN_SIZE_MB = 800
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,9 @@ FLOAT16_NAMED = "layers_named"
 
 # Target options the toolchain's preparation and checks read (npuforge.toolchain).
 TOOLCHAIN_OPTIONS = ()
+# The toolchain's size on disk, the larger of its venv and image (venv 1.5 GB, image 1.8 GB,
+# measured 2026-11-27): a build refuses to start with less free.
+TOOLCHAIN_SIZE_MB = 1800
 
 
 @dataclass(frozen=True, kw_only=True)
