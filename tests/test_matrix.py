@@ -230,6 +230,20 @@ def test_model_precisions_narrow_a_target():
     assert pick(target="RK3588") == ["w16a16i_dfp"]  # no default in the list: the list
 
 
+def test_smollm2_is_built_in_the_precisions_that_pass_its_gate():
+    def pick(target, precision):
+        builds = select_builds(
+            selection(model="smollm2-135m", target=target, precision=precision), MODELS, TARGETS
+        )
+        return [b.precision for b in builds]
+
+    assert pick("SM8650", "all") == ["fp16", "a16w8"]
+    assert pick("RK3588", "all") == ["fp16", "w16a16i_dfp"]
+    for target, failing in (("SM8650", "a16w4"), ("RK3588", "w8a8")):
+        with pytest.raises(NpuforgeError, match=f"built for {target} in .* only"):
+            pick(target, failing)
+
+
 def test_llama_export_options_carry_cache_and_sha():
     from npuforge.models import llama
 
