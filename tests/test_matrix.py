@@ -239,7 +239,7 @@ def test_smollm2_is_built_in_the_precisions_that_pass_its_gate():
 
     assert pick("SM8650", "all") == ["fp16", "a16w8"]
     assert pick("RK3588", "all") == ["fp16", "w16a16i_dfp"]
-    for target, failing in (("SM8650", "a16w4"), ("RK3588", "w8a8")):
+    for target, failing in (("SM8650", "a16w4"), ("RK3588", "w8a8"), ("BM1688", "w4f16")):
         with pytest.raises(NpuforgeError, match=f"built for {target} in .* only"):
             pick(target, failing)
 
