@@ -56,6 +56,14 @@ class Plan:
         ``default`` (the config's)."""
         return int((self.models[model].get("calibration") or {}).get("samples", default))
 
+    def calibration_steps(self, model: str, key: str, default: int) -> int:
+        """``default`` calls of the export's graphs per sample, or as many as a KV-cache
+        graph holds (SmolLM2's 32-token prefill graphs fill its 255 free slots in 7)."""
+        room = cache_room(self.models[model])
+        if room is None:
+            return int(default)
+        return min(int(default), room // int(self.exports[(model, key)]["tokens"]))
+
     def needs_any_calibration(self) -> bool:
         return any(self.needs_calibration(b.target, b.precision) for b in self.builds)
 
@@ -222,8 +230,16 @@ def export_key(options: dict) -> str:
     return f"{options['variant']}-{options['dtype']}-c{options['chunks']}-{digest}"
 
 
+def cache_room(model: dict) -> int | None:
+    """Tokens a model's KV-cache graphs hold after its kv_prefix; None without a cache."""
+    if model["family"] != "llama":
+        return None
+    return int(model["context_length"]) - len((model.get("export") or {}).get("kv_prefix") or ())
+
+
 def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
-    """KV-cache graphs hold ``context_length`` tokens: every verification run must fit."""
+    """KV-cache graphs hold ``context_length`` tokens: every verification run must fit
+    (calibration runs as many calls as fit: Plan.calibration_steps)."""
     for build in builds:
         model = models[build.model]
         if model["family"] != "llama":
@@ -241,20 +257,6 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
                 raise NpuforgeError(
                     f"model {build.model}: {name} ({steps}) exceeds its context_length "
                     f"({model['context_length']}{held}), the graphs' KV cache; lower it"
-                )
-        spec = targets[build.target]["precisions"].get(build.precision) or {}
-        if not spec.get("calibrate"):
-            continue
-        # A calibration run makes calibration.steps calls of each export's tokens per call.
-        steps = int((config.get("calibration") or {}).get("steps", 0))
-        for options in export_variants(model, targets[build.target]):
-            tokens = steps * options["tokens"]
-            if tokens > room:
-                raise NpuforgeError(
-                    f"model {build.model}: calibration.steps ({steps}) calls of the "
-                    f"{options['variant']} graphs ({options['tokens']} tokens each) overrun its "
-                    f"context_length ({model['context_length']}), the graphs' KV cache; lower "
-                    f"calibration.steps to {room // options['tokens']}"
                 )
 
 

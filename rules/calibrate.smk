@@ -17,7 +17,9 @@ rule calibrate:
         samples=lambda w: PLAN.calibration_samples(
             w.model, config["calibration"]["samples"]
         ),
-        steps=config["calibration"]["steps"],
+        steps=lambda w: PLAN.calibration_steps(
+            w.model, w.key, config["calibration"]["steps"]
+        ),
         seed=config["calibration"]["seed"],
         text=calibration_text(),
         texts=calibration_text_digest(),

@@ -284,21 +284,31 @@ def test_a_model_may_ask_for_more_calibration_samples():
     assert plan.calibration_samples("rwkv7-demo", default) == default
 
 
-def test_llama_calibration_runs_must_fit_the_cache():
-    # llama-tiny's cache holds 64 tokens: 32 calls of a 4-token prefill graph do not fit.
+def test_llama_calibration_runs_as_many_calls_as_the_cache_holds():
+    # llama-tiny's cache holds 64 tokens: 32 calls of a 4-token prefill graph do not fit,
+    # so its prefill calibration makes 16; the decode graph's 32 one-token calls fit.
     sm8650 = dict(TARGETS["SM8650"])
     sm8650["export"] = dict(sm8650["export"], variants=["decode", "prefill"], prefill_tokens=4)
     targets = dict(TARGETS, SM8650=sm8650)
-    chosen = selection(model="llama-tiny", target="SM8650", precision="a16w8")
-    with pytest.raises(NpuforgeError, match=r"lower calibration.steps to 16") as refused:
-        make_plan(chosen, MODELS, targets)
-    assert "prefill graphs (4 tokens each)" in str(refused.value)
     plan = make_plan(
-        dict(chosen, calibration=dict(CONFIG["calibration"], steps=16)), MODELS, targets
+        selection(model="llama-tiny", target="SM8650", precision="a16w8"), MODELS, targets
     )
-    assert len(plan.export_keys("llama-tiny", "SM8650")) == 2
-    # Float precisions make no calibration run, so nothing to fit.
-    make_plan(selection(model="llama-tiny", target="SM8650", precision="fp16"), MODELS, targets)
+    decode, prefill = plan.export_keys("llama-tiny", "SM8650")
+    assert plan.calibration_steps("llama-tiny", decode, 32) == 32
+    assert plan.calibration_steps("llama-tiny", prefill, 32) == 16
+    assert plan.calibration_steps("llama-tiny", prefill, 8) == 8
+    # SmolLM2's kv_prefix takes one of its 256 slots: seven 32-token prefill calls fit.
+    plan = make_plan(
+        selection(model="smollm2-135m", target="BM1688", precision="int8"), MODELS, TARGETS
+    )
+    decode, prefill = plan.export_keys("smollm2-135m", "BM1688")
+    assert plan.calibration_steps("smollm2-135m", prefill, 32) == 7
+    # A model without a KV cache runs the configured calls.
+    plan = make_plan(
+        selection(model="rwkv7-demo", target="BM1688", precision="int8"), MODELS, TARGETS
+    )
+    (key, *_) = plan.export_keys("rwkv7-demo", "BM1688")
+    assert plan.calibration_steps("rwkv7-demo", key, 32) == 32
 
 
 @pytest.mark.parametrize("target", ["BM1684X", "BM1688"])
