@@ -137,6 +137,10 @@ def toolchain_options(backend: str, target_options) -> dict:
     every target of a backend, so the rest (a SoC, a precision's float16 layers) must
     not make it look changed when another target of that backend is built."""
     names = getattr(_backend_module(backend), "TOOLCHAIN_OPTIONS", ())
+    if target_options is not None and not isinstance(target_options, dict):
+        # A backend's typed options (as its tests pass them): the set ones.
+        target_options = {name: getattr(target_options, name, None) for name in names}
+        target_options = {k: v for k, v in target_options.items() if v is not None}
     return {name: target_options[name] for name in names if name in (target_options or {})}
 
 

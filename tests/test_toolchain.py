@@ -503,3 +503,13 @@ def test_a_toolchain_build_the_disk_cannot_hold_does_not_start(
         toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
     assert not stamp_path.exists()
     assert not [p for p in (private_cache / "toolchains").iterdir() if p.is_dir()]
+
+
+def test_a_stamp_records_the_toolchain_options_from_a_dict_or_a_backends_typed_options():
+    import types
+
+    typed = types.SimpleNamespace(python="/opt/py310/bin/python3.10", processor="bm1688")
+    assert toolchain.toolchain_options("tpumlir", typed) == {"python": typed.python}
+    assert toolchain.toolchain_options("tpumlir", vars(typed)) == {"python": typed.python}
+    assert toolchain.toolchain_options("tpumlir", types.SimpleNamespace(python=None)) == {}
+    assert toolchain.toolchain_options("tpumlir", None) == {}
