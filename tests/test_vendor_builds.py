@@ -53,7 +53,9 @@ def image_id(image):
 
 def remove_images(*images):
     """Remove the images and the layers podman keeps from their builds, so the next prepare
-    builds each again from its Containerfile (the base with debootstrap)."""
+    builds each again from its Containerfile (the base with debootstrap). Untagged layers
+    go first: one left by another build on the base would keep the base from going."""
+    subprocess.run(["podman", "image", "prune", "--force"], capture_output=True, check=True)
     for image in images:
         if image_id(image):
             # It fails while a container of the image runs (another test run on the machine).
