@@ -242,15 +242,15 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
     (calibration runs as many calls as fit: Plan.calibration_steps)."""
     for build in builds:
         model = models[build.model]
-        if model["family"] != "llama":
+        room = cache_room(model)
+        if room is None:
             continue
         runs = {"verify.tokens": (config.get("verify") or {}).get("tokens", 0)}
         runs[f"{build.target} verify_steps"] = targets[build.target]["options"].get(
             "verify_steps", 0
         )
         # A kv_prefix takes the first slots of the cache.
-        prefix = len((model.get("export") or {}).get("kv_prefix") or ())
-        room = int(model["context_length"]) - prefix
+        prefix = int(model["context_length"]) - room
         for name, steps in runs.items():
             if int(steps) > room:
                 held = f", less its {prefix} kv_prefix slots" if prefix else ""

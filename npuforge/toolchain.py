@@ -136,11 +136,12 @@ def toolchain_options(backend: str, target_options) -> dict:
     ``TOOLCHAIN_OPTIONS``: a native interpreter, an SDK path). One environment serves
     every target of a backend, so the rest (a SoC, a precision's float16 layers) must
     not make it look changed when another target of that backend is built."""
-    names = getattr(_backend_module(backend), "TOOLCHAIN_OPTIONS", ())
+    module = _backend_module(backend)
+    names = getattr(module, "TOOLCHAIN_OPTIONS", ())
     if target_options is not None and not isinstance(target_options, dict):
         # A backend's typed options (as its tests pass them): the set ones.
-        target_options = {name: getattr(target_options, name, None) for name in names}
-        target_options = {k: v for k, v in target_options.items() if v is not None}
+        typed = vars(_typed(module, target_options))
+        target_options = {name: value for name, value in typed.items() if value is not None}
     return {name: target_options[name] for name in names if name in (target_options or {})}
 
 
