@@ -31,13 +31,13 @@ class Plan:
     builds: list[Build]
     # (model, export key) -> export options
     exports: dict = field(default_factory=dict)
-    # (model, target) -> export keys in variant order (decode first)
+    # (model, target, precision) -> export keys in variant order (decode first)
     target_exports: dict = field(default_factory=dict)
     # (model, export key) -> the decode export checked together with it (itself for decode)
     verify_partner: dict = field(default_factory=dict)
 
-    def export_keys(self, model: str, target: str) -> list[str]:
-        return self.target_exports[(model, target)]
+    def export_keys(self, model: str, target: str, precision: str) -> list[str]:
+        return self.target_exports[(model, target, precision)]
 
     def export_options(self, model: str, key: str) -> dict:
         return self.exports[(model, key)]
@@ -192,10 +192,10 @@ def plan_chunks(model: dict, export: dict) -> int:
     return max(1, min(chunks, layers))
 
 
-def export_variants(model: dict, target: dict) -> list[dict]:
-    """The export options a target needs from a model, one dict per graph variant.
-
-    Every option that changes the exported bytes is in the dict (and so in the key).
+def export_variants(model: dict, target: dict, precision: str | None = None) -> list[dict]:
+    """The export options a target needs from a model for ``precision``, one dict per
+    graph variant. Every option that changes the exported bytes is in the dict (and so
+    in the key); precisions that need nothing of their own share their target's export.
     """
     # A model may override the target's export choices (say, more chunks for a big model).
     export = dict(target["export"], **model.get("export", {}))
@@ -214,7 +214,7 @@ def export_variants(model: dict, target: dict) -> list[dict]:
         # weights in chunkN.onnx.data even below the 2 GB protobuf limit
         base["external_data"] = True
     # The family's own options (its package is light: no torch while the workflow parses).
-    base.update(models.family(model["family"]).export_options(model, export))
+    base.update(models.family(model["family"]).export_options(model, export, precision))
     variants = []
     for variant in export["variants"]:
         options = dict(base, variant=variant)
@@ -276,21 +276,33 @@ def check_batch(models: dict, targets: dict, builds) -> None:
                 )
 
 
+def check_smoothquant(models: dict, targets: dict, builds) -> None:
+    """A model's ``export.smoothquant`` names precisions some target builds."""
+    known = {p for target in targets.values() for p in target["precisions"]}
+    for model_id in sorted({b.model for b in builds}):
+        listed = (models[model_id].get("export") or {}).get("smoothquant") or {}
+        for precision in listed:
+            if precision not in known:
+                raise NpuforgeError(
+                    f"model {model_id}: export.smoothquant names precision '{precision}', "
+                    f"which no target builds; use one of {', '.join(sorted(known))}"
+                )
+
+
 def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     builds = select_builds(config, models, targets)
+    check_smoothquant(models, targets, builds)
     check_cache_fits(config, models, targets, builds)
     check_batch(models, targets, builds)
     plan = Plan(models=models, targets=targets, builds=builds)
     for build in builds:
-        pair = (build.model, build.target)
-        if pair in plan.target_exports:
-            continue
+        triple = (build.model, build.target, build.precision)
         keys = []
-        for options in export_variants(models[build.model], targets[build.target]):
+        for options in export_variants(models[build.model], targets[build.target], build.precision):
             key = export_key(options)
             plan.exports[(build.model, key)] = options
             keys.append(key)
-        plan.target_exports[pair] = keys
+        plan.target_exports[triple] = keys
         for key in keys:
             # A prefill export is checked by continuing its state in the decode graphs.
             plan.verify_partner.setdefault((build.model, key), keys[0])

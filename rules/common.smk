@@ -137,8 +137,19 @@ def export_dir(model, key):
     return f"{RESULTS}/export/{model}/{key}"
 
 
-def target_export_dirs(model, target):
-    return [export_dir(model, key) for key in PLAN.export_keys(model, target)]
+def target_export_dirs(model, target, precision):
+    return [
+        export_dir(model, key) for key in PLAN.export_keys(model, target, precision)
+    ]
+
+
+def export_options_json(model, key):
+    options = PLAN.export_options(model, key)
+    if "smoothquant" in options:
+        # Its scales come from the calibration text: name it, and an edit re-exports.
+        text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
+        options = dict(options, smoothquant={**options["smoothquant"], **text})
+    return as_json(options)
 
 
 def export_mem_mb(model):
@@ -187,9 +198,12 @@ def calibration_dir(model, key):
     return f"{RESULTS}/calibration/{model}/{key}"
 
 
-def target_calibration_dirs(model, target):
+def target_calibration_dirs(model, target, precision):
     # One per export (decode first, then prefill): each graph variant gets samples of its own runs.
-    return [calibration_dir(model, key) for key in PLAN.export_keys(model, target)]
+    return [
+        calibration_dir(model, key)
+        for key in PLAN.export_keys(model, target, precision)
+    ]
 
 
 def toolchain_options(backend):
@@ -267,12 +281,14 @@ def heldout_inputs(wildcards):
 def compile_inputs(wildcards):
     backend = TARGETS[wildcards.target]["backend"]
     inputs = {
-        "exports": target_export_dirs(wildcards.model, wildcards.target),
+        "exports": target_export_dirs(
+            wildcards.model, wildcards.target, wildcards.precision
+        ),
         "heldout": heldout_path(wildcards.model),
     }
     if PLAN.needs_calibration(wildcards.target, wildcards.precision):
         inputs["calibration"] = target_calibration_dirs(
-            wildcards.model, wildcards.target
+            wildcards.model, wildcards.target, wildcards.precision
         )
     if backend == REFERENCE_BACKEND:
         # The reference target checks its graphs against the checkpoint itself.
@@ -310,13 +326,14 @@ def compile_paths(wildcards, input):
 
 
 def package_inputs(wildcards):
-    model, target = wildcards.model, wildcards.target
-    exports = target_export_dirs(model, target)
+    model, target, precision = wildcards.model, wildcards.target, wildcards.precision
+    exports = target_export_dirs(model, target, precision)
     return {
         "compiled": compile_dir(model, target, wildcards.precision),
         "exports": exports,
         "verify": [
-            verify_report(model, key) for key in PLAN.export_keys(model, target)
+            verify_report(model, key)
+            for key in PLAN.export_keys(model, target, precision)
         ],
         "tokenizer": tokenizer_path(model) or [],
         "fetch_record": fetch_record(model),

@@ -346,3 +346,89 @@ def test_kv_prefix_is_refused_when_it_does_not_fit(checkpoints, tmp_path):
             checkpoints["llama"], tmp_path / "x", variant="decode", cache_len=2, kv_prefix=[1, 2]
         )
     assert not (tmp_path / "x").exists()
+
+
+def _outlier_model(checkpoint):
+    """The checkpoint's torch model with one stream channel 100x the rest after every norm,
+    as trained models have (the channel SmolLM2's massive activations live in)."""
+    import torch
+
+    cfg = llama_config.load_config(checkpoint)
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoint), CACHE_LEN)
+    with torch.no_grad():
+        for block in model.layers:
+            block.input_layernorm.weight[1] *= 100
+            block.post_attention_layernorm.weight[1] *= 100
+    return model
+
+
+def _spread(ranges, name):
+    """How far the largest input channel of a linear layer stands above the median one."""
+    values = ranges[name]
+    return float(values.max() / values.median())
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "smollm2", "qwen3"])
+def test_smoothquant_keeps_the_logits_and_evens_the_activation_channels(checkpoints, kind):
+    import torch
+
+    from npuforge.models.llama import smoothing
+
+    checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
+    model = _outlier_model(checkpoint)
+    sequences = np.random.default_rng(3).integers(0, vocab, (4, 24)).tolist()
+    ids = np.random.default_rng(4).integers(0, vocab, 20).tolist()
+    host = llama_export.host_inputs(model.cfg, batch=1, tokens=21, cache_len=CACHE_LEN, position=0)
+
+    def logits():
+        caches = [
+            torch.zeros(1, model.cfg.num_kv_heads, CACHE_LEN, model.cfg.head_dim)
+            for _ in range(2 * model.cfg.num_layers)
+        ]
+        roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
+        with torch.no_grad():
+            y, _ = model(
+                torch.tensor([[0, *ids]]), *(torch.from_numpy(host[r]) for r in roles), caches
+            )
+        return y.numpy()
+
+    before = logits()
+    ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN)
+    summary = smoothing.smooth(model, ranges, 0.7)
+    after_ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN)
+    after = logits()
+    assert np.abs(after - before).max() <= 1e-4 * np.abs(before).max()
+    for name in ("layers.0.self_attn.q_proj", "layers.1.mlp.gate_proj"):
+        assert _spread(ranges, name) > 20
+        assert _spread(after_ranges, name) < _spread(ranges, name) / 5
+    # v_proj's rows are rescaled too (o_proj's inputs).
+    assert summary["channels"] == model.cfg.num_layers * (
+        2 * model.cfg.hidden_size + model.cfg.num_kv_heads * model.cfg.head_dim
+    )
+    with pytest.raises(NpuforgeError, match="alpha must lie in"):
+        smoothing.smooth(model, ranges, 1.5)
+
+
+def test_smoothquant_export_matches_transformers_and_records_its_text(checkpoints, tmp_path):
+    checkpoint, vocab = checkpoints["qwen2"], TINY_CONFIGS["qwen2"]["vocab_size"]
+    common = dict(dtype="fp32", chunks=2, batch=1, cache_len=CACHE_LEN, fp16_fixes=True)
+    smooth = {"alpha": 0.7, "text": ""}
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=PREFILL, smoothquant=smooth, **common
+    )
+    llama_export.export_llama(
+        checkpoint, tmp_path / "d", variant="decode", tokens=1, smoothquant=smooth, **common
+    )
+    plain = llama_export.export_llama(
+        checkpoint, tmp_path / "plain", variant="prefill", tokens=PREFILL, **common
+    )
+    record = prefill["smoothquant"]
+    assert record["alpha"] == 0.7 and record["text"]["documents"] >= 1
+    assert len(record["text"]["sha256"]) == 64 and record["text"]["tokenizer"]["kind"] == "bytes"
+    assert prefill["options"]["smoothquant"] == 0.7 and "smoothquant" not in plain["options"]
+    # Other weights, the same function.
+    assert prefill["graphs"][0]["sha256"] != plain["graphs"][0]["sha256"]
+    ids = np.random.default_rng(9).integers(0, vocab, (1, PREFILL + DECODE_STEPS))
+    got = run_prefill_then_decode(tmp_path / "p", tmp_path / "d", ids)
+    want = reference_logits(checkpoint, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

@@ -105,10 +105,10 @@ def test_bad_selection_is_one_line_naming_choices(kw, message):
 def test_targets_with_equal_needs_share_exports():
     plan = make_plan(selection(target="SM8650,SM8550,RK3588,onnx,BM1684X"), MODELS, TARGETS)
     demo = "rwkv7-demo"
-    assert plan.export_keys(demo, "SM8650") == plan.export_keys(demo, "SM8550")
-    assert plan.export_keys(demo, "SM8650") != plan.export_keys(demo, "onnx")
-    assert len(plan.export_keys(demo, "BM1684X")) == 2
-    prefill = plan.export_options(demo, plan.export_keys(demo, "BM1684X")[1])
+    assert plan.export_keys(demo, "SM8650", "fp16") == plan.export_keys(demo, "SM8550", "fp16")
+    assert plan.export_keys(demo, "SM8650", "fp16") != plan.export_keys(demo, "onnx", "fp32")
+    assert len(plan.export_keys(demo, "BM1684X", "f16")) == 2
+    prefill = plan.export_options(demo, plan.export_keys(demo, "BM1684X", "f16")[1])
     assert (prefill["variant"], prefill["tokens"]) == ("prefill", 32)
     # onnx, qnn (shared), rknn (ext embedding like qnn, same chunks here), tpumlir x2
     assert len(plan.exports) == len({k for key in plan.target_exports.values() for k in key})
@@ -183,10 +183,10 @@ def test_registries_are_not_mutated_by_planning():
 
 def test_prefill_export_is_verified_with_its_decode_partner():
     plan = make_plan(selection(target="BM1684X,onnx"), MODELS, TARGETS)
-    decode, prefill = plan.export_keys("rwkv7-demo", "BM1684X")
+    decode, prefill = plan.export_keys("rwkv7-demo", "BM1684X", "f16")
     assert plan.verify_exports("rwkv7-demo", decode) == [decode]
     assert plan.verify_exports("rwkv7-demo", prefill) == [decode, prefill]
-    onnx = plan.export_keys("rwkv7-demo", "onnx")[0]
+    onnx = plan.export_keys("rwkv7-demo", "onnx", "fp32")[0]
     assert plan.verify_exports("rwkv7-demo", onnx) == [onnx]
 
 
@@ -293,7 +293,7 @@ def test_llama_calibration_runs_as_many_calls_as_the_cache_holds():
     plan = make_plan(
         selection(model="llama-tiny", target="SM8650", precision="a16w8"), MODELS, targets
     )
-    decode, prefill = plan.export_keys("llama-tiny", "SM8650")
+    decode, prefill = plan.export_keys("llama-tiny", "SM8650", "a16w8")
     assert plan.calibration_steps("llama-tiny", decode, 32) == 32
     assert plan.calibration_steps("llama-tiny", prefill, 32) == 16
     assert plan.calibration_steps("llama-tiny", prefill, 8) == 8
@@ -301,13 +301,13 @@ def test_llama_calibration_runs_as_many_calls_as_the_cache_holds():
     plan = make_plan(
         selection(model="smollm2-135m", target="BM1688", precision="int8"), MODELS, TARGETS
     )
-    decode, prefill = plan.export_keys("smollm2-135m", "BM1688")
+    decode, prefill = plan.export_keys("smollm2-135m", "BM1688", "int8")
     assert plan.calibration_steps("smollm2-135m", prefill, 32) == 7
     # A model without a KV cache runs the configured calls.
     plan = make_plan(
         selection(model="rwkv7-demo", target="BM1688", precision="int8"), MODELS, TARGETS
     )
-    (key, *_) = plan.export_keys("rwkv7-demo", "BM1688")
+    (key, *_) = plan.export_keys("rwkv7-demo", "BM1688", "int8")
     assert plan.calibration_steps("rwkv7-demo", key, 32) == 32
 
 
@@ -369,3 +369,36 @@ def test_a_named_runtime_is_taken_as_it_is():
     plan = make_plan(selection(target="onnx,RK3588,SM8650", precision=""), MODELS, TARGETS)
     runtimes, notes = choose_runtimes(plan, "docker", never, ENGINES)
     assert runtimes == {"RK3588": "docker", "SM8650": "docker"} and notes == []
+
+
+def test_smoothquant_gives_only_its_precision_an_export_of_its_own():
+    # Built on request in every RK3588 precision (its entry leaves w8a8 out: under its gate).
+    smollm2 = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "precisions"}
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    plan = make_plan(
+        selection(model="smollm2-135m", target="RK3588", precision="all"), models, TARGETS
+    )
+    keys = {p: plan.export_keys("smollm2-135m", "RK3588", p) for p in ("fp16", "w16a16i_dfp")}
+    (smoothed,) = plan.export_keys("smollm2-135m", "RK3588", "w8a8")
+    assert keys["fp16"] == keys["w16a16i_dfp"] and smoothed not in keys["fp16"]
+    assert plan.export_options("smollm2-135m", smoothed)["smoothquant"] == {"alpha": 0.7}
+    assert "smoothquant" not in plan.export_options("smollm2-135m", keys["fp16"][0])
+    # Precisions without it keep the export they had: same options, same key.
+    model = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "export"}
+    model["export"] = {"kv_prefix": [1]}
+    (plain,) = export_variants(model, TARGETS["RK3588"], "w8a8")
+    assert export_key(plain) == keys["fp16"][0]
+
+
+def test_smoothquant_on_an_rwkv_model_is_refused_in_one_line():
+    model = dict(MODELS["rwkv7-demo"], export={"smoothquant": {"w8a8": 0.5}})
+    with pytest.raises(NpuforgeError, match="smoothquant is a llama export option") as err:
+        export_variants(model, TARGETS["RK3588"], "w8a8")
+    assert "\n" not in str(err.value)
+
+
+def test_smoothquant_for_a_precision_no_target_builds_is_refused():
+    smollm2 = dict(MODELS["smollm2-135m"], export={"smoothquant": {"w8a9": 0.5}})
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    with pytest.raises(NpuforgeError, match="names precision 'w8a9', which no target builds"):
+        make_plan(selection(model="smollm2-135m", target="RK3588"), models, TARGETS)

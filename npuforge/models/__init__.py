@@ -4,7 +4,8 @@
 provides:
 
     NAME, EXPORT_OPTIONS                  its name and its own export options
-    export_options(model, export)         those options for a model and a target's choices
+    export_options(model, export, precision)  those options for a model, a target's
+                                          choices and the precision built
     inspect(path) -> dict                 what the checkpoint holds (inspect.json)
     export(checkpoint, out_dir, **opts)   chunked ONNX graphs + export.json
     reference_logits(checkpoint, tokens)  (logits [B, S, V], exact name) of its oracle

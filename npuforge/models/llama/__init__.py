@@ -16,14 +16,16 @@ from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
-EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes", "kv_prefix")
+EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes", "kv_prefix", "smoothquant")
 
 
-def export_options(model: dict, export: dict) -> dict:
-    """The family's export options for a registry model and a target's export choices.
+def export_options(model: dict, export: dict, precision: str | None = None) -> dict:
+    """The family's export options for a registry model, a target's export choices and
+    the precision built from the export.
 
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
-    graph choice (the Qualcomm HTP targets ask for it) that changes the bytes.
+    graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
+    ``smoothquant: {precision: alpha}`` gives that precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -33,6 +35,9 @@ def export_options(model: dict, export: dict) -> dict:
     }
     if export.get("kv_prefix"):
         options["kv_prefix"] = [int(t) for t in export["kv_prefix"]]
+    alpha = (export.get("smoothquant") or {}).get(precision)
+    if alpha is not None:
+        options["smoothquant"] = {"alpha": float(alpha)}
     return options
 
 

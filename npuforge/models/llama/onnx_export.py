@@ -198,6 +198,26 @@ def write_kv_prefix(directory, model, cfg, prefix, batch, cache_len, mask_value)
     }
 
 
+def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
+    """Fold SmoothQuant scales measured on the calibration text into ``model``."""
+    from npuforge import texts
+    from npuforge.models import llama
+    from npuforge.models.llama import smoothing
+
+    documents = texts.read_documents(options.get("text") or None)
+    tokenizer, described = llama.tokenizer(checkpoint_dir)
+    sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
+    ranges = smoothing.activation_ranges(model, sequences, prefix, cache_len)
+    summary = smoothing.smooth(model, ranges, float(options["alpha"]))
+    summary["text"] = {
+        "documents": len(documents),
+        "sha256": texts.text_digest(documents),
+        "tokenizer": described,
+        "tokens_per_document": smoothing.TOKENS_PER_DOCUMENT,
+    }
+    return summary
+
+
 def cache_name(layer: int, kind: str) -> str:
     """Graph input name of layer ``layer``'s K (kind "k") or V cache; the output adds _out."""
     return f"cache_{layer}_{kind}"
@@ -289,6 +309,7 @@ def export_llama(
     mask_value: float = MASK_VALUE,
     fp16_fixes: bool = False,
     kv_prefix: tuple = (),
+    smoothquant: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -303,6 +324,8 @@ def export_llama(
     fp32; for SoCs that compute in fp16 whatever the graph dtype, e.g. the Qualcomm HTP).
     kv_prefix: token ids every sequence starts with; their KV cache rows are computed
     here in fp32 and shipped as the graphs' starting state (``write_kv_prefix``).
+    smoothquant: {"alpha": a, "text": calibration text path ("" for the project's)}:
+    SmoothQuant scales folded into the weights (``npuforge.models.llama.smoothing``).
     """
     import torch
 
@@ -331,9 +354,15 @@ def export_llama(
             f"kv_prefix {kv_prefix} must be fewer than cache_len ({cache_len}) token ids below "
             f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
         )
-    state_dict = load_state_dict(checkpoint_dir, torch_dtype)
-    model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes).to(torch_dtype)
+    # Smoothing needs fp32 activations: the model is cast after it.
+    load_dtype = torch.float32 if smoothquant else torch_dtype
+    state_dict = load_state_dict(checkpoint_dir, load_dtype)
+    model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes)
     del state_dict
+    smoothed = None
+    if smoothquant:
+        smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+    model = model.to(torch_dtype)
     ranges = split_layers(cfg.num_layers, chunks)
 
     graphs, embedding = [], None
@@ -404,5 +433,8 @@ def export_llama(
         }
         if prefix:
             meta["kv_prefix"] = prefix
+        if smoothed:
+            meta["smoothquant"] = smoothed
+            meta["options"]["smoothquant"] = smoothed["alpha"]
         write_json(tmp / "export.json", meta)
     return meta

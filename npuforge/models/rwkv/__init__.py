@@ -22,12 +22,18 @@ NAME = "rwkv"
 EXPORT_OPTIONS = ("fp16_fixes", "rescale_every", "wkv_scale", "last_token_logits")
 
 
-def export_options(model: dict, export: dict) -> dict:
-    """The family's export options for a registry model and a target's export choices."""
+def export_options(model: dict, export: dict, precision: str | None = None) -> dict:
+    """The family's export options for a registry model and a target's export choices
+    (the same for every precision)."""
     if export.get("kv_prefix"):
         raise NpuforgeError(
             "kv_prefix is a llama export option (it fills a KV cache); an RWKV model has a "
             "recurrent state: remove kv_prefix from its export"
+        )
+    if export.get("smoothquant"):
+        raise NpuforgeError(
+            "smoothquant is a llama export option (it rescales a transformer's norms and "
+            "projections): remove it from the RWKV model's export"
         )
     return {
         "fp16_fixes": bool(export.get("fp16_fixes", True)),
