@@ -374,6 +374,39 @@ def test_state_path_ops_are_the_recurrence_each_token_repeats(exports):
     assert tpumlir.state_path_ops(path, [i for i in inputs if i["role"] != "state"]) == []
 
 
+def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_path):
+    """int8_weight_matmuls_only: the qtable lists every op but the matmuls reading a
+    weight (those named in int8_f16_named too); the recurrence keeps its own mode."""
+    import onnx
+
+    path = exports / "decode" / "chunk0.onnx"
+    graph = onnx.load(str(path)).graph
+    weights = {init.name for init in graph.initializer}
+    weighted = [n for n in graph.node if n.op_type == "MatMul" and set(n.input) & weights]
+    ops = [n for n in graph.node if n.op_type != "Constant"]
+    assert weighted
+    names = tpumlir.ops_but_weight_matmuls(path)
+    assert len(names) == sum(len(n.output) for n in ops) - len(weighted)
+    assert not any(f"{n.output[0]}_MatMul" in names for n in weighted)
+    head = tpumlir.ops_but_weight_matmuls(path, also_named=[weighted[-1].name])
+    assert sorted(set(head) - set(names)) == [f"{weighted[-1].output[0]}_MatMul"]
+
+    calibration = [_write_calibration(tmp_path / "calib", exports)]
+    options = _options("bm1688", int8_weight_matmuls_only=True, int8_state_path="BF16")
+    spec = _spec(
+        [exports / "decode"], "bm1688", "int8", tmp_path, calibrations=calibration,
+        options=options,
+    )  # fmt: skip
+    deploy = next(s for s in spec["steps"] if s["name"] == "decode:model_deploy")
+    pairs = dict(zip(deploy["argv"][1::2], deploy["argv"][2::2], strict=True))
+    table = dict(line.split() for line in Path(pairs["--quantize_table"]).read_text().splitlines())
+    inputs = json.loads((exports / "decode" / "export.json").read_text())["graphs"][0]["inputs"]
+    recurrence = tpumlir.state_path_ops(path, inputs)
+    assert set(table) == set(names) | set(recurrence)
+    assert {table[name] for name in recurrence} == {"BF16"}
+    assert {table[name] for name in set(names) - set(recurrence)} == {"F16"}
+
+
 def test_int8_without_matching_samples_is_refused(exports, tmp_path):
     (tmp_path / "calib" / "tpumlir").mkdir(parents=True)
     with pytest.raises(NpuforgeError, match="no calibration sample"):

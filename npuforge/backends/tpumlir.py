@@ -36,6 +36,7 @@ from npuforge.backends.tpumlir_inputs import (
     calibration_samples,
     graph_inputs,
     make_test_input,
+    ops_but_weight_matmuls,
     real_test_feeds,
     state_path_ops,
     test_schedule,
@@ -104,6 +105,12 @@ class Options(base.CommonOptions):
     # prefill's unrolled recurrence disagrees with its own interpreter otherwise
     # (state_3_wkv_out euclid 0.89 < 0.90 on BM1684X and BM1688). None: all INT8.
     int8_state_path: str | None = "F16"
+    # INT8 builds with only the weight matmuls in INT8, every other op in F16
+    # (model_deploy --quantize_table), as RK3588's w8a8 keeps only its Conv: a trained
+    # Llama's norms, softmax and residual adds do not survive per-tensor INT8.
+    # int8_f16_named: weight matmuls whose node name contains one of these stay F16 too.
+    int8_weight_matmuls_only: bool = False
+    int8_f16_named: list | None = None
 
     def __post_init__(self):
         if self.processor.lower() not in PROCESSORS:
@@ -111,6 +118,17 @@ class Options(base.CommonOptions):
                 f"TPU-MLIR processor '{self.processor}' is not supported: set options.processor "
                 f"in targets.yaml to one of {', '.join(PROCESSORS)}"
             )
+
+
+def int8_modes(options: Options, onnx_path, inputs: list[dict]) -> dict:
+    """TPU-MLIR op name -> mode for the ops an INT8 build keeps out of INT8."""
+    modes = {}
+    if options.int8_weight_matmuls_only:
+        named = tuple(options.int8_f16_named or ())
+        modes.update(dict.fromkeys(ops_but_weight_matmuls(onnx_path, named), "F16"))
+    if options.int8_state_path:
+        modes.update(dict.fromkeys(state_path_ops(onnx_path, inputs), options.int8_state_path))
+    return modes
 
 
 def check_target(target_id: str, options: Options, precisions) -> None:
@@ -252,12 +270,11 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                 }
             )
         qtable = None
-        if precision == "int8" and options.int8_state_path:
-            names = state_path_ops(onnx_path, export.graphs[0]["inputs"])
-            if names:
-                qtable = gdir / f"{variant}_qtable"
-                mode = options.int8_state_path
-                qtable.write_text("".join(f"{n} {mode}\n" for n in names), encoding="utf-8")
+        modes = int8_modes(options, onnx_path, export.graphs[0]["inputs"])
+        if precision == "int8" and modes:
+            qtable = gdir / f"{variant}_qtable"
+            lines = "".join(f"{name} {mode}\n" for name, mode in sorted(modes.items()))
+            qtable.write_text(lines, encoding="utf-8")
         steps.append(
             {
                 "name": f"{variant}:model_deploy",

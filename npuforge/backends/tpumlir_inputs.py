@@ -141,3 +141,24 @@ def state_path_ops(onnx_path, inputs: list[dict]) -> list[str]:
                 todo.extend(producer[name].input if name in producer else [])
         on_path |= downstream & upstream
     return sorted(f"{name}_{producer[name].op_type}" for name in on_path)
+
+
+def ops_but_weight_matmuls(onnx_path, also_named=()) -> list[str]:
+    """TPU-MLIR names ("<output>_<op type>") of every op except the matmuls with a weight
+    operand (MatMul/Gemm reading an initializer), and of those whose node name contains
+    one of ``also_named``: the ops an INT8 build with only its weight matmuls in INT8
+    keeps in another mode."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    constants = {init.name for init in graph.initializer}
+    constants |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
+    names = []
+    for node in graph.node:
+        if node.op_type == "Constant":
+            continue
+        weighted = node.op_type in ("MatMul", "Gemm") and any(i in constants for i in node.input)
+        if weighted and not any(part in node.name for part in also_named):
+            continue
+        names.extend(f"{out}_{node.op_type}" for out in node.output)
+    return sorted(names)
