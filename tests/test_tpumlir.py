@@ -391,6 +391,8 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     head = tpumlir.ops_but_weight_matmuls(path, also_named=[weighted[-1].name])
     assert sorted(set(head) - set(names)) == [f"{weighted[-1].output[0]}_MatMul"]
 
+    with pytest.raises(NpuforgeError, match="only with int8_weight_matmuls_only: true"):
+        _options("bm1688", int8_f16_named=["head"])
     calibration = [_write_calibration(tmp_path / "calib", exports)]
     options = _options("bm1688", int8_weight_matmuls_only=True, int8_state_path="BF16")
     spec = _spec(

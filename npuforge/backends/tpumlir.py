@@ -118,6 +118,11 @@ class Options(base.CommonOptions):
                 f"TPU-MLIR processor '{self.processor}' is not supported: set options.processor "
                 f"in targets.yaml to one of {', '.join(PROCESSORS)}"
             )
+        if self.int8_f16_named and not self.int8_weight_matmuls_only:
+            raise NpuforgeError(
+                "TPU-MLIR option int8_f16_named names weight matmuls to keep out of INT8 "
+                "only with int8_weight_matmuls_only: true; set it, or remove int8_f16_named"
+            )
 
 
 def int8_modes(options: Options, onnx_path, inputs: list[dict]) -> dict:
