@@ -370,32 +370,23 @@ def _spread(ranges, name):
 
 @pytest.mark.parametrize("kind", ["qwen2", "smollm2", "qwen3"])
 def test_smoothquant_keeps_the_logits_and_evens_the_activation_channels(checkpoints, kind):
-    import torch
-
     from npuforge.models.llama import smoothing
 
     checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
     model = _outlier_model(checkpoint)
     sequences = np.random.default_rng(3).integers(0, vocab, (4, 24)).tolist()
     ids = np.random.default_rng(4).integers(0, vocab, 20).tolist()
-    host = llama_export.host_inputs(model.cfg, batch=1, tokens=21, cache_len=CACHE_LEN, position=0)
+
+    def run(tokens):
+        llama_export.run_from_empty_cache(model, [tokens], CACHE_LEN)
 
     def logits():
-        caches = [
-            torch.zeros(1, model.cfg.num_kv_heads, CACHE_LEN, model.cfg.head_dim)
-            for _ in range(2 * model.cfg.num_layers)
-        ]
-        roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
-        with torch.no_grad():
-            y, _ = model(
-                torch.tensor([[0, *ids]]), *(torch.from_numpy(host[r]) for r in roles), caches
-            )
-        return y.numpy()
+        return llama_export.run_from_empty_cache(model, [[0, *ids]], CACHE_LEN)[0].numpy()
 
     before = logits()
-    ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN)
+    ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN - 1, run)
     summary = smoothing.smooth(model, ranges, 0.7)
-    after_ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN)
+    after_ranges = smoothing.activation_ranges(model, sequences, [0], CACHE_LEN - 1, run)
     after = logits()
     assert np.abs(after - before).max() <= 1e-4 * np.abs(before).max()
     for name in ("layers.0.self_attn.q_proj", "layers.1.mlp.gate_proj"):

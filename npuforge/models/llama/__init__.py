@@ -10,8 +10,6 @@ synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
 ``export`` (graphs, host inputs, export.json).
 """
 
-from pathlib import Path
-
 from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
@@ -70,17 +68,9 @@ def extra_inputs(meta: dict, spec: dict, position: int):
 
 def tokenizer(checkpoint=None) -> tuple:
     """The checkpoint's tokenizer.json, or UTF-8 bytes (labelled so) when it has none."""
-    from npuforge.fileio import sha256_file
-    from npuforge.texts import ByteTokenizer, HfTokenizer
+    from npuforge.models.llama.weights import checkpoint_tokenizer
 
-    path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
-    if path is not None and path.is_file():
-        return HfTokenizer(path), {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
-    why = "the checkpoint has no tokenizer.json" if checkpoint else "no checkpoint given"
-    return ByteTokenizer(), {
-        "kind": "bytes",
-        "note": f"{why}: token ids are UTF-8 bytes folded into the vocabulary, not a vocabulary",
-    }
+    return checkpoint_tokenizer(checkpoint)
 
 
 def write_synthetic(out, spec: dict, fmt: str):

@@ -42,7 +42,7 @@ from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, load_config, rope_rows
 from npuforge.models.llama.model import build_model
-from npuforge.models.llama.weights import load_state_dict
+from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
 
 DEFAULT_PREFILL_TOKENS = 16
@@ -157,6 +157,27 @@ def _chunk_io(cfg, first, last, *, batch, tokens, cache_len, np_dtype, ext_embed
     return inputs, outputs
 
 
+def run_from_empty_cache(model, ids: list, cache_len: int, mask_value=MASK_VALUE):
+    """(logits, caches) of the torch ``model`` over ``ids`` ([batch][tokens]) from an
+    empty KV cache of ``cache_len`` slots."""
+    import torch
+
+    cfg = model.cfg
+    batch, tokens = len(ids), len(ids[0])
+    host = host_inputs(
+        cfg, batch=batch, tokens=tokens, cache_len=cache_len, position=0, mask_value=mask_value
+    )
+    shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
+    caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]
+    roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
+    with torch.no_grad():
+        return model(
+            torch.tensor(ids, dtype=torch.int64),
+            *(torch.from_numpy(host[r]) for r in roles),
+            caches,
+        )
+
+
 def write_kv_prefix(directory, model, cfg, prefix, batch, cache_len, mask_value) -> dict:
     """Run ``prefix`` through ``model`` in fp32 and write its KV rows as kv_prefix.bin.
 
@@ -173,15 +194,7 @@ def write_kv_prefix(directory, model, cfg, prefix, batch, cache_len, mask_value)
         copy.deepcopy(model).float() if model.embed_tokens.weight.dtype != torch.float32 else model
     )
     count = len(prefix)
-    host = host_inputs(
-        cfg, batch=batch, tokens=count, cache_len=cache_len, position=0, mask_value=mask_value
-    )
-    shape = [batch, cfg.num_kv_heads, cache_len, cfg.head_dim]
-    caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]
-    ids = torch.tensor([list(prefix)] * batch, dtype=torch.int64)
-    roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
-    with torch.no_grad():
-        _, caches = wide(ids, *(torch.from_numpy(host[r]) for r in roles), caches)
+    _, caches = run_from_empty_cache(wide, [list(prefix)] * batch, cache_len, mask_value)
     names = [cache_name(layer, kind) for layer in range(cfg.num_layers) for kind in ("k", "v")]
     rows = np.concatenate(
         [np.ascontiguousarray(c[:, :, :count, :].numpy(), dtype="<f4").ravel() for c in caches]
@@ -201,13 +214,17 @@ def write_kv_prefix(directory, model, cfg, prefix, batch, cache_len, mask_value)
 def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
     """Fold SmoothQuant scales measured on the calibration text into ``model``."""
     from npuforge import texts
-    from npuforge.models import llama
     from npuforge.models.llama import smoothing
 
     documents = texts.read_documents(options.get("text") or None)
-    tokenizer, described = llama.tokenizer(checkpoint_dir)
+    tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
     sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
-    ranges = smoothing.activation_ranges(model, sequences, prefix, cache_len)
+
+    def run(ids):
+        run_from_empty_cache(model, [ids], cache_len)
+
+    room = cache_len - len(prefix)
+    ranges = smoothing.activation_ranges(model, sequences, prefix, room, run)
     summary = smoothing.smooth(model, ranges, float(options["alpha"]))
     summary["text"] = {
         "documents": len(documents),

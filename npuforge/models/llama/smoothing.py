@@ -17,26 +17,16 @@ no compiled graph sees them.
 import torch
 
 from npuforge.errors import NpuforgeError
-from npuforge.models.llama.onnx_export import host_inputs
 
 # Floor of a channel's range: keeps an all-zero channel's scale finite.
 RANGE_FLOOR = 1e-5
 # Tokens per calibration document: enough for each to show its outliers.
 TOKENS_PER_DOCUMENT = 256
-HOST_ROLES = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
 
 
-def _run(model, ids: list, cache_len: int):
-    cfg = model.cfg
-    host = host_inputs(cfg, batch=1, tokens=len(ids), cache_len=cache_len, position=0)
-    shape = [1, cfg.num_kv_heads, cache_len, cfg.head_dim]
-    caches = [torch.zeros(shape) for _ in range(2 * cfg.num_layers)]
-    model(torch.tensor([ids]), *(torch.from_numpy(host[r]) for r in HOST_ROLES), caches)
-
-
-def activation_ranges(model, sequences: list, prefix: list, cache_len: int) -> dict:
-    """max |x| per input channel of every linear layer, over ``prefix + sequence`` runs
-    of the fp32 ``model``, the prefix's positions left out."""
+def activation_ranges(model, sequences: list, prefix: list, room: int, run) -> dict:
+    """max |x| per input channel of every linear layer of ``model``, over ``run(prefix +
+    sequence)`` calls (at most ``room`` tokens of each), the prefix's positions left out."""
     ranges, hooks = {}, []
 
     def record(name):
@@ -51,10 +41,8 @@ def activation_ranges(model, sequences: list, prefix: list, cache_len: int) -> d
         if isinstance(module, torch.nn.Linear):
             hooks.append(module.register_forward_pre_hook(record(name)))
     try:
-        with torch.no_grad():
-            for ids in sequences:
-                room = min(TOKENS_PER_DOCUMENT, cache_len - len(prefix))
-                _run(model, list(prefix) + list(ids)[:room], cache_len)
+        for ids in sequences:
+            run(list(prefix) + [int(t) for t in ids[: min(TOKENS_PER_DOCUMENT, room)]])
     finally:
         for hook in hooks:
             hook.remove()

@@ -199,3 +199,18 @@ def reference_logits(checkpoint_dir, tokens) -> np.ndarray:
     with torch.no_grad():
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
         return model(ids).logits.numpy()
+
+
+def checkpoint_tokenizer(checkpoint=None) -> tuple:
+    """The checkpoint's tokenizer.json, or UTF-8 bytes (labelled so) when it has none."""
+    from npuforge.fileio import sha256_file
+    from npuforge.texts import ByteTokenizer, HfTokenizer
+
+    path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
+    if path is not None and path.is_file():
+        return HfTokenizer(path), {"kind": "hf", "file": path.name, "sha256": sha256_file(path)}
+    why = "the checkpoint has no tokenizer.json" if checkpoint else "no checkpoint given"
+    return ByteTokenizer(), {
+        "kind": "bytes",
+        "note": f"{why}: token ids are UTF-8 bytes folded into the vocabulary, not a vocabulary",
+    }
