@@ -391,6 +391,8 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     head = tpumlir.ops_but_weight_matmuls(path, also_named=[weighted[-1].name])
     assert sorted(set(head) - set(names)) == [f"{weighted[-1].output[0]}_MatMul"]
 
+    assert "int8_weight_matmuls_only: true" in tpumlir.gate_hint("int8")
+    assert "int8" not in tpumlir.gate_hint("w4f16")
     with pytest.raises(NpuforgeError, match="only with int8_weight_matmuls_only: true"):
         _options("bm1688", int8_f16_named=["head"])
     calibration = [_write_calibration(tmp_path / "calib", exports)]

@@ -125,6 +125,16 @@ class Options(base.CommonOptions):
             )
 
 
+def gate_hint(precision: str) -> str:
+    """What to try when a binary fails its gate: the levers measured on trained weights."""
+    if precision == "int8":
+        return (
+            "try int8_weight_matmuls_only: true (int8_f16_named for outlier-heavy matmuls), "
+            "the model's export.smoothquant, more calibration samples, or w8f16 or f16"
+        )
+    return "build a wider precision (w8f16 or f16)"
+
+
 def int8_modes(options: Options, onnx_path, inputs: list[dict]) -> dict:
     """TPU-MLIR op name -> mode for the ops an INT8 build keeps out of INT8."""
     modes = {}
@@ -503,7 +513,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             target,
             precision,
             verification,
-            "build f16, or set min_cosine in the target's options after checking the figures",
+            gate_hint(precision),
         )
     return record
 
