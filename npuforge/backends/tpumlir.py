@@ -285,8 +285,13 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                 }
             )
         qtable = None
-        modes = int8_modes(options, onnx_path, export.graphs[0]["inputs"])
-        if precision == "int8" and modes:
+        # Only INT8 builds take a quantize table: other precisions never read the graph.
+        modes = (
+            int8_modes(options, onnx_path, export.graphs[0]["inputs"])
+            if precision == "int8"
+            else {}
+        )
+        if modes:
             qtable = gdir / f"{variant}_qtable"
             lines = "".join(f"{name} {mode}\n" for name, mode in sorted(modes.items()))
             qtable.write_text(lines, encoding="utf-8")
