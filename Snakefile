@@ -23,6 +23,10 @@ include: "rules/report.smk"
 include: "rules/bench.smk"
 
 
+onstart:
+    lock_results()
+
+
 # Downloads need the network and the user's HF cache, benchmarks the device attached
 # to this machine: on a cluster they run on the submit host.
 localrules:

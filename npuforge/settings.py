@@ -50,3 +50,47 @@ def check_calibration_text(path) -> None:
             f"calibration.text {path} does not exist: give a .txt file or a directory of them, or "
             'set calibration.text to "" for the project\'s texts'
         )
+
+
+RUN_LOCK = ".npuforge-run.lock"
+# The open, locked file of this process's run (see hold_results): kept open until it exits.
+_held_run_lock = None
+
+
+def hold_results(results: str) -> None:
+    """Lock ``results`` for this run until the process exits, or refuse in one line.
+
+    Snakemake's own lock checks for other runs' lock files and then writes its own, so two
+    runs started together can both pass it and then delete and rewrite each other's
+    outputs (the release index above all). An flock is taken or refused atomically.
+    """
+    import fcntl
+
+    global _held_run_lock
+    if _held_run_lock is not None:
+        return
+    try:
+        Path(results).mkdir(parents=True, exist_ok=True)
+        handle = open(Path(results, RUN_LOCK), "a+", encoding="utf-8")
+    except OSError as err:
+        raise NpuforgeError(
+            f"results={results} cannot be locked for this run ({err.strerror}): point "
+            "results= at a writable directory"
+        ) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise NpuforgeError(
+            f"results={results} cannot be locked: another run (pid {holder}) is building into "
+            "it; wait for it to finish, or give this run its own results=<directory>"
+        ) from None
+    try:
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+    except OSError:
+        pass  # the pid only names the holder to a refused run; a full disk is said elsewhere
+    _held_run_lock = handle

@@ -40,7 +40,7 @@ from npuforge.registry import (
     model_weights,
 )
 from npuforge.schema import validate
-from npuforge.settings import check_calibration_text, results_dir
+from npuforge.settings import check_calibration_text, hold_results, results_dir
 
 MAIN_ENV = "../envs/main/environment.yaml"
 SCHEMAS = f"{workflow.basedir}/config/schemas"
@@ -86,6 +86,15 @@ try:
             print(f"npuforge: skipping target {_target}: {_reason}", file=sys.stderr)
 except NpuforgeError as err:
     _stop(err)
+
+
+def lock_results():
+    # Taken when jobs are about to start (onstart): dry runs and runs with nothing to do
+    # never wait on another run.
+    try:
+        hold_results(RESULTS)
+    except NpuforgeError as err:
+        _stop(err)
 
 
 wildcard_constraints:

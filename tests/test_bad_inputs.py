@@ -13,6 +13,8 @@ import pytest
 import yaml
 from conftest import REPO, script_env, snakemake
 
+from npuforge.settings import RUN_LOCK
+
 TINY = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
 
 
@@ -546,7 +548,7 @@ def results_files(results: Path) -> set:
     return {
         p.relative_to(results).as_posix()
         for p in results.rglob("*")
-        if p.is_file() and p.relative_to(results).parts[0] not in BOOKKEEPING
+        if p.is_file() and p.relative_to(results).parts[0] not in BOOKKEEPING and p.name != RUN_LOCK
     }
 
 

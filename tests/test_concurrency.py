@@ -83,6 +83,40 @@ def test_two_runs_on_one_checkout_never_corrupt_the_outputs(tmp_path):
     assert release_digests(results) == built
 
 
+def test_a_run_into_results_another_run_holds_stops_in_one_line(tmp_path):
+    # Deterministic form of the race above: the other run holds the results directory.
+    wf = copy_workflow(tmp_path / "wf")
+    results = wf / "results"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from npuforge.settings import hold_results; "
+            "hold_results(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+            str(results),
+        ],
+        cwd=wf,
+        env=script_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, out = finish(start(wf, "--config", *TINY, f"results={results}"))
+        assert rc != 0
+        assert f"results={results} cannot be locked: another run (pid {holder.pid})" in out
+        assert "Traceback" not in out, out[-3000:]
+        assert sorted(p.name for p in results.iterdir()) == [".npuforge-run.lock"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # Snakemake's own lock went with the refused run: the next run builds.
+    rc, out = finish(start(wf, "--config", *TINY, f"results={results}"))
+    assert rc == 0, out[-3000:]
+    assert sums_hold(results / "release")
+
+
 def test_two_checkouts_sharing_the_machine_cache_both_succeed(tmp_path):
     """Both download one pinned wheel into the shared cache and prepare one toolchain at once."""
     cache = tmp_path / "cache"
