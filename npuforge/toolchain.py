@@ -32,6 +32,7 @@ from pathlib import Path
 from npuforge.cache import KEPT_VERSIONS, cache_root, entry_in_use, entry_lock, evict_older
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
+from npuforge.jobs import job_stage
 
 RUNTIMES = ("native", "podman", "docker")
 # How to install each engine on Debian (Debian's "docker" is a window-manager dock); podman
@@ -779,6 +780,8 @@ def run_job(
 
 
 def _run_job_in(stamp, job_script, spec_path, read_only, writable, env, log_path):
+    # A build tool sends nothing anywhere, and ONNX Runtime's telemetry thread would.
+    env = {**job_stage.NO_TELEMETRY, **(env or {})}
     if stamp["runtime"] == "native":
         cmd = [stamp["python"], str(Path(job_script).resolve()), str(Path(spec_path).resolve())]
         full_env = {**os.environ, **(env or {})}

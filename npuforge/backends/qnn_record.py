@@ -40,6 +40,7 @@ def heap_pinned(result: dict) -> bool:
         and h.get("python_hash_seed")
         and h.get("fixed_clock")
         and h.get("cpus") == 1
+        and h.get("ort_telemetry_off")
         for h in settings
     )
 

@@ -13,6 +13,8 @@ in a process whose history repeats:
   (``one_cpu``), so threads neither race for blocks nor size their pools by the
   machine (a QNN context once took another stale byte under heavy load);
 * ``PYTHONHASHSEED=0``: Python's own allocation order (sets, dicts) repeats;
+* ONNX Runtime's telemetry is off (``NO_TELEMETRY``): its thread allocated beside the
+  compile at times of its own choosing;
 * a clock that counts instead of ticking (``fixed_clock``): QAIRT's context
   generation allocates by the elapsed times it reads, so under load a context
   came out with other padding bytes; libfaketime (preloaded from the toolchain's
@@ -61,6 +63,10 @@ FAKETIME_LIBRARY = ("libfaketime", "vendor", "libfaketime", "src", "libfaketime.
 MALLOC_PERTURB = "85"
 TCACHE_OFF = "glibc.malloc.tcache_count=0"
 ADDR_NO_RANDOMIZE = 0x0040000
+# ONNX Runtime's telemetry (1.31's Linux wheels carry it) runs a thread of its own that
+# allocates on timers, reads /tmp/.ses and keeps a device-id database: heap history that
+# follows the machine, not the inputs (a context's padding changed when it was turned off).
+NO_TELEMETRY = {"ORT_DISABLE_TELEMETRY": "1"}
 
 
 def disable_aslr() -> bool:
@@ -104,6 +110,7 @@ def heap_settings() -> dict:
         "fixed_clock": os.environ.get("FAKETIME") if preloaded == FAKETIME_LIBRARY[-1] else None,
         "malloc_arenas": os.environ.get("MALLOC_ARENA_MAX") or None,
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "ort_telemetry_off": os.environ.get("ORT_DISABLE_TELEMETRY") == "1",
     }
 
 
@@ -238,5 +245,6 @@ def fixed_environment(stage: str, extra: dict) -> dict:
         # A warm .pyc cache would allocate differently from a cold one.
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONPYCACHEPREFIX": os.path.join(stage, "no-pycache"),
+        **NO_TELEMETRY,
         **extra,
     }
