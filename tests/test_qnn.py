@@ -534,6 +534,7 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
     assert {h["fixed_clock"] for h in manifest["options"]["heap"]} == {job_stage.FIXED_CLOCK}
     assert {(h["cpus"], h["malloc_arenas"]) for h in manifest["options"]["heap"]} == {(1, "1")}
+    assert all(h["ort_telemetry_off"] for h in manifest["options"]["heap"])
     before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
     # Rebuilt as on a machine with one CPU: QAIRT's prepare threads sized by the CPUs
     # allowed wrote other bytes (2 vs 1 CPU) until the job pinned itself to one.
@@ -584,6 +585,51 @@ def test_context_generation_runs_on_a_counting_clock(qnn_stamp, tmp_path):
     wall, mono, mono_again = map(float, first)
     assert 946684800 <= wall < 946684801  # 2000-01-01 00:00:00 UTC
     assert 0 < mono_again - mono < 0.01
+
+
+TELEMETRY_PROBE = """
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+import job_stage
+
+stage, model = sys.argv[2], sys.argv[3]
+python = job_stage.staged_python(stage)
+probe = ("import onnxruntime as ort, sys; "
+         "ort.InferenceSession(sys.argv[1]).run(None, {'x': [[1.0]]})")
+for env in ({"HOME": stage}, job_stage.fixed_environment(stage, {})):
+    subprocess.run([python, "-c", probe, model], env=env, check=True)
+    print(os.path.isdir(os.path.join(stage, ".cache", "Microsoft")), flush=True)
+    subprocess.run(["rm", "-rf", os.path.join(stage, ".cache")], check=True)
+"""
+
+
+@pytest.mark.toolchain
+def test_a_staged_process_runs_onnx_runtime_without_its_telemetry(qnn_stamp, tmp_path):
+    # onnxruntime's telemetry thread keeps state under $HOME and allocated beside
+    # QAIRT's serialiser; the staged environment must turn it off.
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])],
+    )
+    model = tmp_path / "relu.onnx"
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), model
+    )
+    python = json.loads(qnn_stamp.read_text())["python"]
+    jobs = REPO / "npuforge" / "jobs"
+    run = subprocess.run(
+        [python, "-c", TELEMETRY_PROBE, str(jobs), str(tmp_path / "stage"), str(model)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    # Telemetry on (a bare $HOME) leaves its database; the staged environment does not.
+    assert run.stdout.split() == ["True", "False"]
 
 
 @pytest.fixture(scope="module")
