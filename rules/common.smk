@@ -16,12 +16,18 @@ sys.path.insert(0, workflow.basedir)
 # failed step's one-line error is the first thing the user reads (npuforge.cli).
 _checkout = shlex.quote(workflow.basedir)
 _errors = "exec 3>&2; export NPUFORGE_ERROR_FD=3; "
+# onnxruntime's Linux wheels keep telemetry under ~/.cache and try to send it: steps send
+# nothing anywhere.
+_no_telemetry = "export ORT_DISABLE_TELEMETRY=1; "
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
-    shell.prefix(f'{_errors}export PYTHONPATH={_checkout}:"$PYTHONPATH"; ')
+    shell.prefix(
+        f'{_errors}{_no_telemetry}export PYTHONPATH={_checkout}:"$PYTHONPATH"; '
+    )
 else:
     _bin = shlex.quote(str(Path(sys.executable).parent))
     shell.prefix(
-        f'{_errors}export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; '
+        f"{_errors}{_no_telemetry}"
+        f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; '
     )
 
 from npuforge.errors import NpuforgeError

@@ -131,6 +131,19 @@ def test_a_manifest_names_no_path_and_travels_between_machines(tmp_path):
     assert release_digests(results_a) == release_digests(results_b)
 
 
+def test_a_build_keeps_no_telemetry(tmp_path):
+    # onnxruntime's Linux wheels keep a telemetry database under ~/.cache and try to send
+    # it; every step runs with it off.
+    home = tmp_path / "home"
+    source = tmp_path / "tiny.pth"
+    entry = {**TINY, "source": {"path": str(source)}}
+    entry["sha256"] = hashlib.sha256(tiny_checkpoint(source)).hexdigest()
+    env = script_env(HOME=str(home), NPUFORGE_CACHE=str(toolchain.cache_root()))
+    results = build(copy_workflow(tmp_path / "wf"), entry, env)
+    assert any(results.rglob("manifest.json"))
+    assert not (home / ".cache" / "Microsoft").exists()
+
+
 def rknn_podman_reason():
     return toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"})
 
