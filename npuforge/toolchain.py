@@ -784,7 +784,7 @@ def _run_job_in(stamp, job_script, spec_path, read_only, writable, env, log_path
     env = {**job_stage.NO_TELEMETRY, **(env or {})}
     if stamp["runtime"] == "native":
         cmd = [stamp["python"], str(Path(job_script).resolve()), str(Path(spec_path).resolve())]
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **env}
     else:
         for path in writable:
             Path(path).mkdir(parents=True, exist_ok=True)

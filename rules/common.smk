@@ -17,8 +17,10 @@ sys.path.insert(0, workflow.basedir)
 _checkout = shlex.quote(workflow.basedir)
 _errors = "exec 3>&2; export NPUFORGE_ERROR_FD=3; "
 # onnxruntime's Linux wheels keep telemetry under ~/.cache and try to send it: steps send
-# nothing anywhere.
-_no_telemetry = "export ORT_DISABLE_TELEMETRY=1; "
+# nothing anywhere (the same setting as every toolchain job's).
+from npuforge.jobs.job_stage import NO_TELEMETRY
+
+_no_telemetry = "".join(f"export {k}={v}; " for k, v in NO_TELEMETRY.items())
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     shell.prefix(
         f'{_errors}{_no_telemetry}export PYTHONPATH={_checkout}:"$PYTHONPATH"; '
