@@ -16,11 +16,15 @@ sys.path.insert(0, workflow.basedir)
 # failed step's one-line error is the first thing the user reads (npuforge.cli).
 _checkout = shlex.quote(workflow.basedir)
 _errors = "exec 3>&2; export NPUFORGE_ERROR_FD=3; "
-# onnxruntime's Linux wheels keep telemetry under ~/.cache and try to send it: steps send
-# nothing anywhere (the same setting as every toolchain job's).
+# onnxruntime's Linux wheels keep telemetry under ~/.cache and try to send it (every
+# toolchain job has it off too); the hub client's requests would name the machine's torch
+# and any coding agent it detects. Steps send neither.
 from npuforge.jobs.job_stage import NO_TELEMETRY
 
-_no_telemetry = "".join(f"export {k}={v}; " for k, v in NO_TELEMETRY.items())
+_no_telemetry = "".join(
+    f"export {k}={v}; "
+    for k, v in {**NO_TELEMETRY, "HF_HUB_DISABLE_TELEMETRY": "1"}.items()
+)
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     shell.prefix(
         f'{_errors}{_no_telemetry}export PYTHONPATH={_checkout}:"$PYTHONPATH"; '

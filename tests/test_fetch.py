@@ -37,6 +37,7 @@ class HubHandler(BaseHTTPRequestHandler):
     """Answers the hub's file-resolve requests: /{repo}/resolve/{revision}/{filename}."""
 
     requests_seen: list = []
+    user_agents_seen: list = []
 
     def log_message(self, *args):
         pass
@@ -44,6 +45,7 @@ class HubHandler(BaseHTTPRequestHandler):
     def _resolve(self):
         """Headers for a file request; returns the file's bytes when it exists."""
         self.requests_seen.append((self.command, self.path, self.headers.get("authorization")))
+        self.user_agents_seen.append(self.headers.get("user-agent", ""))
         parts = self.path.split("?")[0].strip("/").split("/")
         if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
             return self._tree("/".join(parts[2:4]), parts[5])
@@ -111,6 +113,7 @@ class HubHandler(BaseHTTPRequestHandler):
 def loopback_server(handler):
     """Serve ``handler`` on a free loopback port; yield the base URL."""
     handler.requests_seen = []
+    handler.user_agents_seen = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -80,7 +80,8 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path, target):
     REPO_FILES[PRIVATE_REPO]["tiny.pth"] = data
     try:
         with loopback_server(HubHandler) as url:
-            env = hf_env(tmp_path, url, HF_TOKEN=TOKEN)
+            # Not set here: the steps' own setting keeps the hub client's telemetry off.
+            env = hf_env(tmp_path, url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_TELEMETRY=None)
             entry = {
                 **TINY,
                 "source": {
@@ -91,9 +92,12 @@ def test_hf_token_appears_in_no_log_manifest_record_or_bundle(tmp_path, target):
             wf = copy_workflow(tmp_path / "wf")
             results = build(wf, entry, env, target)
             seen = list(HubHandler.requests_seen)
+            agents = list(HubHandler.user_agents_seen)
     finally:
         REPO_FILES[PRIVATE_REPO].pop("tiny.pth")
     assert any(auth == f"Bearer {TOKEN}" for _, _, auth in seen), "the token was not used"
+    # With the hub's telemetry on, its user agent names the machine's torch (installed here).
+    assert agents and all("hf_hub/" in ua and "torch/" not in ua for ua in agents), agents
     checked = 0
     for path, content in every_byte_written(results, wf / ".snakemake"):
         assert TOKEN.encode() not in content, f"HF_TOKEN written to {path}"
