@@ -672,7 +672,13 @@ def test_floors_per_precision():
     )
     assert floors == {"min_top1": 0.90, "max_perplexity_delta": 0.10, "min_cosine": 0.5}
     only_f16 = _options("bm1684x", min_cosine={"f16": 0.5})
-    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == tpumlir.FLOORS["bf16"]
+    # An f16 override leaves bf16 alone; trained bf16 is held to the 16-bit float figures.
+    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == {
+        "min_cosine": 0.999,
+        "min_top1": 0.99,
+        "max_perplexity_delta": 0.005,
+    }
+    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "synthetic") == tpumlir.FLOORS["bf16"]
 
 
 def _fake_toolchain(exports, tmp_path, perturb, prefill_calls=1):
