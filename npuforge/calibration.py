@@ -1,4 +1,4 @@
-"""Calibration samples from real multi-step runs, written in every vendor's format.
+"""Calibration samples from real multi-step runs, one .npz per chunk and sample.
 
 Quantizers pick activation ranges from the samples they are given. A recurrent
 model's state inputs (shift vectors, the wkv matrix) are only realistic after
@@ -21,14 +21,14 @@ reach ranges later ones never do. ``zero_state=True``
 captures at the first call instead (all states zero): the weak calibration
 that shows why real runs matter.
 
-The directory holds ``calibration.json`` and the samples in every vendor's format
-(``npuforge.calibration_formats``). Everything is byte-identical for the same
-export, text, and options.
+The directory holds ``calibration.json`` and the samples; each vendor's compile job
+converts them to its own format (``npuforge.calibration_formats``). Everything is
+byte-identical for the same export, text, and options.
 """
 
 from pathlib import Path
 
-from npuforge.calibration_formats import write_vendor_samples
+from npuforge.calibration_formats import LAYOUT, write_samples
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
 from npuforge.texts import heldout_tokens, read_documents, text_digest, tokenize_documents
@@ -119,7 +119,7 @@ def make_calibration_samples(
     zero_state=False,
     checkpoint=None,
 ) -> dict:
-    """Capture ``samples`` input sets of every chunk and write them in each vendor format.
+    """Capture ``samples`` input sets of every chunk and write them (``write_samples``).
 
     ``checkpoint``: the exported checkpoint, whose family's tokenizer turns the texts
     into ids (the checkpoint's tokenizer.json for Llama-family exports; RWKV uses the
@@ -158,8 +158,9 @@ def make_calibration_samples(
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        chunks = write_vendor_samples(tmp, graphs, captured)
+        chunks = write_samples(tmp, graphs, captured)
         record = {
+            "layout": LAYOUT,
             "samples": samples,
             "steps": steps,
             "seed": seed,

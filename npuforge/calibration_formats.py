@@ -1,21 +1,29 @@
-"""Calibration samples in each vendor's input format (docs/interfaces.md):
+"""Calibration samples, stored once and converted per vendor (docs/interfaces.md):
 
-    rknn/chunk{i}/dataset.txt         one line per sample: space-separated .npy files
-    rknn/chunk{i}/sample{j}_{k}.npy   input k of chunk i (graph input order)
-    qnn/chunk{i}/input_list.txt       one line per sample: name:=file.raw ...
-    qnn/chunk{i}/sample{j}_{k}.raw    raw little-endian tensor data
-    tpumlir/chunk{i}/sample{j}.npz    keys = input names
+    chunk{i}/sample{j}.npz        keys = input names; TPU-MLIR reads these as they are
 
-Every path in a list file is relative to that list file's directory, so the
-directory can move. Byte-deterministic: .npz entries carry a fixed timestamp.
+A compile job that needs another format writes it into its own work directory:
+
+    rknn:     dataset.txt, one line per sample: space-separated sample{j}_{k}.npy
+    QNN SDK:  input_list.txt, one line per sample: name:=sample{j}_{k}.raw
+
+(k: the input's index in graph input order). Storing one format, not three, keeps
+a 135M model's 64 samples at 0.7 GB, not 2.2 GB. Every path in a list file is
+relative to that list file's directory, so a directory can move. Byte-deterministic:
+.npz entries carry a fixed timestamp.
 """
 
 import io
 import zipfile
 from pathlib import Path
 
+from npuforge.errors import NpuforgeError
+
 # A zip entry's timestamp; fixed so .npz files are byte-deterministic.
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+# The layout's name in calibration.json; a calibration step's params carry it, so a
+# directory of another layout is made again, not read.
+LAYOUT = "npz per chunk and sample"
 
 
 def _npy_bytes(array) -> bytes:
@@ -34,39 +42,23 @@ def _write_npz(path: Path, arrays: dict) -> None:
             archive.writestr(info, _npy_bytes(arrays[name]))
 
 
-def write_vendor_samples(tmp: Path, graphs: list, captured: list) -> list:
-    """Write every chunk's captured feeds in each vendor's layout under ``tmp``; return
-    calibration.json's ``chunks`` entries."""
+def write_samples(tmp: Path, graphs: list, captured: list) -> list:
+    """Write every chunk's captured feeds under ``tmp``; return calibration.json's
+    ``chunks`` entries."""
     import numpy as np
 
     chunks = []
     for index, graph in enumerate(graphs):
-        names = [spec["name"] for spec in graph["inputs"]]
-        rknn_dir = tmp / "rknn" / f"chunk{index}"
-        qnn_dir = tmp / "qnn" / f"chunk{index}"
-        tpu_dir = tmp / "tpumlir" / f"chunk{index}"
-        for folder in (rknn_dir, qnn_dir, tpu_dir):
-            folder.mkdir(parents=True)
-        dataset_lines, input_lines, npz_files = [], [], []
+        folder = tmp / f"chunk{index}"
+        folder.mkdir(parents=True)
+        files = []
         for j, run in enumerate(captured):
-            feeds = run[index]
-            npy_files, raw_entries = [], []
-            for k, spec in enumerate(graph["inputs"]):
-                value = np.ascontiguousarray(feeds[spec["name"]], dtype=spec["dtype"])
-                npy = f"sample{j}_{k}.npy"
-                (rknn_dir / npy).write_bytes(_npy_bytes(value))
-                npy_files.append(npy)
-                raw = f"sample{j}_{k}.raw"
-                little_endian = value.astype(value.dtype.newbyteorder("<"))
-                (qnn_dir / raw).write_bytes(little_endian.tobytes())
-                raw_entries.append(f"{spec['name']}:={raw}")
-            dataset_lines.append(" ".join(npy_files))
-            input_lines.append(" ".join(raw_entries))
-            npz = f"sample{j}.npz"
-            _write_npz(tpu_dir / npz, {n: feeds[n] for n in names})
-            npz_files.append(f"tpumlir/chunk{index}/{npz}")
-        (rknn_dir / "dataset.txt").write_text("\n".join(dataset_lines) + "\n")
-        (qnn_dir / "input_list.txt").write_text("\n".join(input_lines) + "\n")
+            arrays = {
+                spec["name"]: np.ascontiguousarray(run[index][spec["name"]], dtype=spec["dtype"])
+                for spec in graph["inputs"]
+            }
+            _write_npz(folder / f"sample{j}.npz", arrays)
+            files.append(f"chunk{index}/sample{j}.npz")
         chunks.append(
             {
                 "index": index,
@@ -75,9 +67,66 @@ def write_vendor_samples(tmp: Path, graphs: list, captured: list) -> list:
                     {k: spec[k] for k in ("name", "shape", "dtype", "role")}
                     for spec in graph["inputs"]
                 ],
-                "rknn": {"dataset": f"rknn/chunk{index}/dataset.txt"},
-                "qnn": {"input_list": f"qnn/chunk{index}/input_list.txt"},
-                "tpumlir": {"npz": npz_files},
+                "npz": files,
             }
         )
     return chunks
+
+
+def chunk_samples(calibration_dir, index: int) -> tuple[list[Path], list[dict]]:
+    """(the .npz samples of chunk ``index``, that chunk's inputs) of a calibration directory."""
+    import json
+
+    calibration_dir = Path(calibration_dir)
+    record = calibration_dir / "calibration.json"
+    chunks = json.loads(record.read_text()).get("chunks", []) if record.is_file() else []
+    chunk = next((c for c in chunks if c.get("index") == index), None)
+    if chunk is None or "npz" not in chunk:
+        raise NpuforgeError(
+            f"calibration directory {calibration_dir} has no .npz samples of chunk {index} "
+            "(made by an older npuforge, or for another export): rerun "
+            "make_calibration_samples.py for this export"
+        )
+    samples = [calibration_dir / name for name in chunk["npz"]]
+    missing = [str(p) for p in samples if not p.is_file()]
+    if missing:
+        raise NpuforgeError(
+            f"calibration sample {missing[0]} is missing ({len(missing)} of {len(samples)}): "
+            "rerun make_calibration_samples.py for this export"
+        )
+    return samples, chunk["inputs"]
+
+
+def _each_input(samples: list[Path], inputs: list[dict]):
+    """(sample index j, input index k, array) over every sample's inputs, in order."""
+    import numpy as np
+
+    for j, sample in enumerate(samples):
+        with np.load(sample) as data:
+            for k, spec in enumerate(inputs):
+                yield j, k, np.ascontiguousarray(data[spec["name"]], dtype=spec["dtype"])
+
+
+def write_rknn_dataset(samples: list[Path], inputs: list[dict], folder: Path) -> Path:
+    """rknn-toolkit2's dataset file for ``samples`` (one .npy per input) under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [[] for _ in samples]
+    for j, k, value in _each_input(samples, inputs):
+        (folder / f"sample{j}_{k}.npy").write_bytes(_npy_bytes(value))
+        lines[j].append(f"sample{j}_{k}.npy")
+    dataset = folder / "dataset.txt"
+    dataset.write_text("".join(" ".join(line) + "\n" for line in lines))
+    return dataset
+
+
+def write_qnn_input_list(samples: list[Path], inputs: list[dict], folder: Path) -> Path:
+    """The QNN SDK converter's --input_list for ``samples`` (raw little-endian tensors)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [[] for _ in samples]
+    for j, k, value in _each_input(samples, inputs):
+        little_endian = value.astype(value.dtype.newbyteorder("<"))
+        (folder / f"sample{j}_{k}.raw").write_bytes(little_endian.tobytes())
+        lines[j].append(f"{inputs[k]['name']}:=sample{j}_{k}.raw")
+    listing = folder / "input_list.txt"
+    listing.write_text("".join(" ".join(line) + "\n" for line in lines))
+    return listing

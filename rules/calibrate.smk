@@ -23,5 +23,6 @@ rule calibrate:
         seed=config["calibration"]["seed"],
         text=calibration_text(),
         texts=calibration_text_digest(),
+        layout=CALIBRATION_LAYOUT,
     shell:
         "python workflow_scripts/make_calibration_samples.py --export {input.export} --checkpoint {input.checkpoint} --out-dir {output} --samples {params.samples} --steps {params.steps} --seed {params.seed} --text {params.text} > {log} 2>&1"

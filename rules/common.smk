@@ -36,6 +36,7 @@ else:
         f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; '
     )
 
+from npuforge.calibration_formats import LAYOUT as CALIBRATION_LAYOUT
 from npuforge.errors import NpuforgeError
 from npuforge.matrix import (
     REFERENCE_BACKEND,

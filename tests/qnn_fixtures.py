@@ -160,8 +160,11 @@ def make_export(out_dir, chunks: int = 2, variant: str = "decode", tokens: int =
 
 
 def make_calibration(export_dir, out_dir, samples: int = 24, steps: int = 64, seed: int = 7):
-    """Capture every chunk's inputs at sampled steps of a real fp32 run, in the QNN layout."""
+    """Capture every chunk's inputs at sampled steps of a real fp32 run, in the layout of
+    npuforge.calibration_formats (chunk{i}/sample{j}.npz and calibration.json)."""
     import onnxruntime as ort
+
+    from npuforge.calibration_formats import LAYOUT, _write_npz
 
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     meta = json.loads((export_dir / "export.json").read_text())
@@ -173,7 +176,7 @@ def make_calibration(export_dir, out_dir, samples: int = 24, steps: int = 64, se
     tokens = np.random.default_rng(seed).integers(0, VOCAB, size=steps)
     picked = set(np.linspace(steps // 4, steps - 1, samples).astype(int).tolist())
     state = {}
-    lines = {i: [] for i in range(len(meta["graphs"]))}
+    files = {i: [] for i in range(len(meta["graphs"]))}
     for step, token in enumerate(tokens):
         hidden = None
         for index, (session, graph) in enumerate(zip(sessions, meta["graphs"], strict=True)):
@@ -188,25 +191,21 @@ def make_calibration(export_dir, out_dir, samples: int = 24, steps: int = 64, se
                         item["name"], np.zeros(item["shape"], np.float32)
                     )
             if step in picked:
-                chunk_dir = out_dir / "qnn" / f"chunk{index}"
-                chunk_dir.mkdir(parents=True, exist_ok=True)
-                entries = []
-                for name, value in feed.items():
-                    raw = chunk_dir / f"sample{step}_{name}.raw"
-                    np.ascontiguousarray(value, dtype=np.float32).tofile(raw)
-                    entries.append(f"{name}:={raw.name}")
-                lines[index].append(" ".join(entries))
+                name = f"chunk{index}/sample{len(files[index])}.npz"
+                (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+                _write_npz(out_dir / name, {k: np.asarray(v, np.float32) for k, v in feed.items()})
+                files[index].append(name)
             names = [o["name"] for o in graph["outputs"]]
             values = dict(zip(names, session.run(names, feed), strict=True))
             for item in graph["inputs"]:
                 if item["role"] == "state":
                     state[item["name"]] = values[item["output"]]
             hidden = values.get("hidden_out")
-    for index, entries in lines.items():
-        (out_dir / "qnn" / f"chunk{index}" / "input_list.txt").write_text("\n".join(entries) + "\n")
-    (out_dir / "calibration.json").write_text(
-        json.dumps(
-            {"samples": samples, "steps": steps, "seed": seed, "tokens": tokens.tolist()}, indent=2
-        )
-    )
+    chunks = [
+        {"index": i, "file": g["file"], "inputs": g["inputs"], "npz": files[i]}
+        for i, g in enumerate(meta["graphs"])
+    ]
+    record = {"layout": LAYOUT, "samples": samples, "steps": steps, "seed": seed}
+    record.update(tokens=tokens.tolist(), chunks=chunks)
+    (out_dir / "calibration.json").write_text(json.dumps(record, indent=2))
     return out_dir

@@ -52,35 +52,56 @@ def tree_digest(root: Path) -> dict:
     }
 
 
-def test_samples_every_format_deterministic(export_dir, tmp_path):
+def sample_value(calibration_dir: Path, record: dict, index: int, j: int, name: str):
+    """Input ``name`` of chunk ``index`` in sample ``j``, as stored."""
+    with np.load(calibration_dir / record["chunks"][index]["npz"][j]) as data:
+        return data[name]
+
+
+def test_samples_stored_once_and_converted_per_vendor(export_dir, tmp_path):
     from npuforge.calibration import make_calibration_samples
+    from npuforge.calibration_formats import (
+        LAYOUT,
+        chunk_samples,
+        write_qnn_input_list,
+        write_rknn_dataset,
+    )
 
     first = tmp_path / "a"
     record = make_calibration_samples(export_dir, first, samples=4, steps=12, seed=3)
     again = tmp_path / "b"
     make_calibration_samples(export_dir, again, samples=4, steps=12, seed=3)
     assert tree_digest(first) == tree_digest(again)
+    # One .npz per chunk and sample, nothing else: no per-vendor copies.
+    stored = sorted(tree_digest(first))
+    expected = [f"chunk{i}/sample{j}.npz" for i in range(2) for j in range(4)]
+    assert stored == sorted(["calibration.json", *expected]) and record["layout"] == LAYOUT
 
     meta = json.loads((export_dir / "export.json").read_text())
     assert len(record["chunks"]) == len(meta["graphs"]) == 2
     for chunk, graph in zip(record["chunks"], meta["graphs"], strict=True):
         index = chunk["index"]
-        lines = (first / chunk["rknn"]["dataset"]).read_text().splitlines()
-        qnn_lines = (first / chunk["qnn"]["input_list"]).read_text().splitlines()
-        assert len(lines) == len(qnn_lines) == len(chunk["tpumlir"]["npz"]) == 4
+        samples, inputs = chunk_samples(first, index)
+        assert inputs == chunk["inputs"] and len(samples) == 4
+        # What the rknn and QNN SDK jobs write into their work directories.
+        dataset = write_rknn_dataset(samples, inputs, tmp_path / "rknn" / f"chunk{index}")
+        listing = write_qnn_input_list(samples, inputs, tmp_path / "qnn" / f"chunk{index}")
+        lines = dataset.read_text().splitlines()
+        qnn_lines = listing.read_text().splitlines()
+        assert len(lines) == len(qnn_lines) == 4
         for j, (line, qnn_line) in enumerate(zip(lines, qnn_lines, strict=True)):
             files = line.split()
             entries = [e.split(":=") for e in qnn_line.split()]
             assert len(files) == len(entries) == len(graph["inputs"])
-            npz = np.load(first / chunk["tpumlir"]["npz"][j])
             for spec, npy, (name, raw) in zip(graph["inputs"], files, entries, strict=True):
-                value = np.load(first / "rknn" / f"chunk{index}" / npy)
+                value = np.load(dataset.parent / npy)
                 assert list(value.shape) == spec["shape"] and value.dtype == spec["dtype"]
-                raw_bytes = (first / "qnn" / f"chunk{index}" / raw).read_bytes()
+                raw_bytes = (listing.parent / raw).read_bytes()
                 assert name == spec["name"] and raw_bytes == value.astype("<f4").tobytes()
-                np.testing.assert_array_equal(npz[spec["name"]], value)
+                stored_value = sample_value(first, record, index, j, spec["name"])
+                np.testing.assert_array_equal(stored_value, value)
     # Fixed zip timestamps: an .npz written now equals one written in 1980.
-    with zipfile.ZipFile(first / record["chunks"][0]["tpumlir"]["npz"][0]) as archive:
+    with zipfile.ZipFile(first / record["chunks"][0]["npz"][0]) as archive:
         assert {info.date_time for info in archive.infolist()} == {(1980, 1, 1, 0, 0, 0)}
 
 
@@ -106,9 +127,9 @@ def test_samples_are_the_states_of_real_runs(export_dir, tmp_path):
             chain.step(np.asarray([[ids[step]]]))
         # The sample holds exactly the state a real run carries into that step.
         chunk = record["chunks"][1]
-        for k, spec in enumerate(chunk["inputs"]):
+        for spec in chunk["inputs"]:
             if spec["role"] == "state":
-                got = np.load(out / "rknn" / "chunk1" / f"sample{j}_{k}.npy")
+                got = sample_value(out, record, 1, j, spec["name"])
                 np.testing.assert_array_equal(got, chain.state[spec["name"]])
                 assert np.abs(got).max() > 0
 
@@ -120,8 +141,8 @@ def test_zero_state_and_seed(export_dir, tmp_path):
         export_dir, tmp_path / "zero", samples=2, steps=8, seed=0, zero_state=True
     )
     assert zero["zero_state"] and all(r["capture_step"] == 0 for r in zero["runs"])
-    for k, spec in enumerate(zero["chunks"][0]["inputs"]):
-        value = np.load(tmp_path / "zero" / "rknn" / "chunk0" / f"sample0_{k}.npy")
+    for spec in zero["chunks"][0]["inputs"]:
+        value = sample_value(tmp_path / "zero", zero, 0, 0, spec["name"])
         assert (np.abs(value).max() == 0) == (spec["role"] == "state")
     seeded = make_calibration_samples(export_dir, tmp_path / "s1", samples=2, steps=8, seed=1)
     other = make_calibration_samples(export_dir, tmp_path / "s2", samples=2, steps=8, seed=2)
@@ -252,13 +273,10 @@ def test_rwkv_prefill_samples_carry_the_states_of_multi_call_runs(rwkv_prefill, 
             assert chunk["inputs"] == [
                 {k: s[k] for k in ("name", "shape", "dtype", "role")} for s in graph["inputs"]
             ]
-            with np.load(tmp_path / "a" / chunk["tpumlir"]["npz"][j]) as npz:
-                for k, spec in enumerate(graph["inputs"]):
-                    value = np.load(
-                        tmp_path / "a" / "rknn" / f"chunk{index}" / f"sample{j}_{k}.npy"
-                    )
+            with np.load(tmp_path / "a" / chunk["npz"][j]) as npz:
+                for spec in graph["inputs"]:
+                    value = npz[spec["name"]]
                     assert list(value.shape) == spec["shape"] and value.dtype == spec["dtype"]
-                    np.testing.assert_array_equal(npz[spec["name"]], value)
                     if spec["role"] == "state":
                         np.testing.assert_array_equal(value, chain.state[spec["name"]])
                         assert np.abs(value).max() > 0
@@ -298,9 +316,9 @@ def test_llama_prefill_samples_stay_in_the_cache_at_real_positions(llama_prefill
     for j, run in enumerate(record["runs"]):
         chain, call_ids = replay(llama_prefill, record, run)
         for index, graph in enumerate(meta["graphs"]):
-            for k, spec in enumerate(graph["inputs"]):
-                raw = tmp_path / "a" / "qnn" / f"chunk{index}" / f"sample{j}_{k}.raw"
-                value = np.fromfile(raw, dtype=spec["dtype"]).reshape(spec["shape"])
+            for spec in graph["inputs"]:
+                value = sample_value(tmp_path / "a", record, index, j, spec["name"])
+                assert list(value.shape) == spec["shape"] and value.dtype == spec["dtype"]
                 if spec["role"] == "state":
                     np.testing.assert_array_equal(value, chain.state[spec["name"]])
                     # The cache holds the earlier calls' keys/values, nothing beyond them.

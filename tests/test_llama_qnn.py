@@ -125,10 +125,10 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
     meta = base.load_exports([exports / "decode"], "qnn")["decode"].meta
     for index in (0, 1):
         inputs = record["chunks"][index]["inputs"]
-        for k, item in enumerate(inputs):
+        for item in inputs:
             if item["role"] not in ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep"):
                 continue
             for j, position in enumerate(captured):
-                raw = tmp_path / "cal" / "qnn" / f"chunk{index}" / f"sample{j}_{k}.raw"
-                got = np.fromfile(raw, dtype=item["dtype"]).reshape(item["shape"])
+                with np.load(tmp_path / "cal" / f"chunk{index}" / f"sample{j}.npz") as data:
+                    got = data[item["name"]]
                 np.testing.assert_array_equal(got, llama_export.extra_inputs(meta, item, position))

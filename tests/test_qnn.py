@@ -111,16 +111,29 @@ def test_verification_figures():
 
 
 def test_calibration_listing(tmp_path):
-    chunk = tmp_path / "qnn" / "chunk1"
+    from npuforge.calibration_formats import LAYOUT
+
+    chunk = tmp_path / "chunk1"
     chunk.mkdir(parents=True)
-    (chunk / "input_list.txt").write_text(
-        "hidden_in:=a.raw state:=/abs/b.raw\n\nhidden_in:=c.raw\n"
-    )
+    inputs = [{"name": "hidden_in"}, {"name": "state"}]
+    record = {"layout": LAYOUT, "chunks": [{"index": 1, "inputs": inputs, "npz": []}]}
+    record["chunks"][0]["npz"] = ["chunk1/sample0.npz", "chunk1/sample1.npz"]
+    for name in record["chunks"][0]["npz"]:
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "calibration.json").write_text(json.dumps(record))
     samples = qnn_spec.calibration_samples(tmp_path, 1)
-    assert samples[0] == {"hidden_in": str(chunk / "a.raw"), "state": "/abs/b.raw"}
-    assert len(samples) == 2
-    with pytest.raises(NpuforgeError, match="make_calibration_samples"):
+    first = str(chunk / "sample0.npz")
+    assert samples == [
+        {"hidden_in": first, "state": first},
+        {"hidden_in": first[:-5] + "1.npz", "state": first[:-5] + "1.npz"},
+    ]
+    # A chunk the directory has no samples of, and a sample gone: one line naming the fix.
+    with pytest.raises(NpuforgeError, match="make_calibration_samples") as refused:
         qnn_spec.calibration_samples(tmp_path, 0)
+    assert "\n" not in str(refused.value)
+    (chunk / "sample1.npz").unlink()
+    with pytest.raises(NpuforgeError, match="sample1.npz is missing.*make_calibration_samples"):
+        qnn_spec.calibration_samples(tmp_path, 1)
 
 
 def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
@@ -398,15 +411,16 @@ def test_spec_quantizes_each_variant_with_its_own_samples(tmp_path):
     for chunk in spec["chunks"]:
         assert [g["variant"] for g in chunk["graphs"]] == ["decode", "prefill"]
         for graph in chunk["graphs"]:
-            folder = tmp_path / f"cal-{graph['variant']}" / "qnn" / f"chunk{chunk['index']}"
+            folder = tmp_path / f"cal-{graph['variant']}" / f"chunk{chunk['index']}"
             assert len(graph["calibration"]) == 3
             for sample in graph["calibration"]:
                 assert sorted(sample) == sorted(i["name"] for i in graph["inputs"])
                 for item in graph["inputs"]:
                     path = Path(sample[item["name"]])
                     assert path.parent == folder.resolve()
-                    # Raw float32 of the graph's own shape: [1, 4, 64] for prefill inputs.
-                    assert path.stat().st_size == 4 * int(np.prod(item["shape"]))
+                    # The graph's own shape: [1, 4, 64] for prefill inputs.
+                    with np.load(path) as data:
+                        assert data[item["name"]].shape == tuple(item["shape"])
 
 
 def test_cli_refuses_fp16_on_v68_before_any_job(tmp_path):

@@ -480,14 +480,17 @@ def test_toolkit_failure_is_one_line(export_dir, toolchain, tmp_path):
     calibration = tmp_path / "calibration"
     make_calibration_samples(export_dir, calibration, samples=1, steps=4, seed=0)
     out = tmp_path / "out"
-    # rknn-toolkit2 itself fails inside the job: a sample its dataset lists is gone.
-    (calibration / "rknn" / "chunk0" / "sample0_0.npy").unlink()
+    # rknn-toolkit2 itself fails inside the job: a sample's inputs are empty arrays.
+    sample = calibration / "chunk0" / "sample0.npz"
+    with np.load(sample) as data:
+        empty = {name: np.zeros((0,), data[name].dtype) for name in data.files}
+    np.savez(sample, **empty)
     options = RK3588
     with pytest.raises(NpuforgeError) as failure:
         compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, out)
     message = str(failure.value)
     assert "\n" not in message and "rknn job failed in the native toolchain" in message
-    assert "sample0_0.npy" in message
+    assert "input shape (1, 1, 0) is wrong" in message
     assert not out.exists()
 
 

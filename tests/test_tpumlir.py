@@ -245,12 +245,13 @@ def test_precision_and_processor_checks():
 # ---------------------------------------------------------------- inputs and spec
 
 
-def _write_calibration(root: Path, exports_root: Path, samples=3):
-    """Calibration layout of docs/interfaces.md: tpumlir/chunk{i}/ one .npz per sample."""
+def _write_calibration(root: Path, exports_root: Path, samples=3) -> list[Path]:
+    """Calibration layout of docs/interfaces.md, one directory per export:
+    chunk{i}/ one .npz per sample."""
     rng = np.random.default_rng(1)
     for variant in ("decode", "prefill"):
         inputs = tpumlir.graph_inputs(exports_root / variant / "chunk0.onnx")
-        folder = root / "tpumlir" / variant / "chunk0"
+        folder = root / variant / "chunk0"
         folder.mkdir(parents=True, exist_ok=True)
         for j in range(samples):
             arrays = {
@@ -263,14 +264,14 @@ def _write_calibration(root: Path, exports_root: Path, samples=3):
             }
             np.savez(folder / f"sample{j}.npz", **arrays)
     # A stray sample of some other graph must be left out by its keys.
-    np.savez(root / "tpumlir" / "other.npz", hidden_in=np.zeros((1, 1, 128), np.float32))
-    return root
+    np.savez(root / "decode" / "chunk0" / "other.npz", hidden_in=np.zeros((1, 1, 128), np.float32))
+    return [root / "decode", root / "prefill"]
 
 
 @pytest.mark.parametrize("chip", CHIPS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precision):
-    calibration = [_write_calibration(tmp_path / "calib", exports)] if precision == "int8" else []
+    calibration = _write_calibration(tmp_path / "calib", exports) if precision == "int8" else []
     spec = _spec(
         [exports / "prefill", exports / "decode"], chip, precision, tmp_path,
         calibrations=calibration,
@@ -317,7 +318,7 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
         if precision == "int8":
             listed = Path(tmp_path / "work" / graph / "calibration_list.txt").read_text().split()
             assert len(listed) == 3
-            assert all(f"/tpumlir/{graph}/chunk0/sample" in p for p in listed)
+            assert all(f"/calib/{graph}/chunk0/sample" in p for p in listed)
             for path in listed:
                 with np.load(path) as data:
                     assert sorted(data.files) == sorted(s["name"] for s in onnx_inputs)
@@ -395,7 +396,7 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     assert "int8" not in tpumlir.gate_hint("w4f16")
     with pytest.raises(NpuforgeError, match="only with int8_weight_matmuls_only: true"):
         _options("bm1688", int8_f16_named=["head"])
-    calibration = [_write_calibration(tmp_path / "calib", exports)]
+    calibration = _write_calibration(tmp_path / "calib", exports)
     options = _options("bm1688", int8_weight_matmuls_only=True, int8_state_path="BF16")
     spec = _spec(
         [exports / "decode"], "bm1688", "int8", tmp_path, calibrations=calibration,
@@ -412,7 +413,7 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
 
 
 def test_int8_without_matching_samples_is_refused(exports, tmp_path):
-    (tmp_path / "calib" / "tpumlir").mkdir(parents=True)
+    (tmp_path / "calib" / "chunk0").mkdir(parents=True)
     with pytest.raises(NpuforgeError, match="no calibration sample"):
         _spec([exports / "decode"], "bm1684x", "int8", tmp_path, calibrations=[tmp_path / "calib"])
 
@@ -441,8 +442,7 @@ def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_
         listed = (tmp_path / "w" / variant / "calibration_list.txt").read_text().split()
         assert step["argv"][step["argv"].index("--input_num") + 1] == "2"
         assert listed == [
-            str(tmp_path / f"cal-{variant}" / "tpumlir" / "chunk0" / f"sample{j}.npz")
-            for j in range(2)
+            str(tmp_path / f"cal-{variant}" / "chunk0" / f"sample{j}.npz") for j in range(2)
         ]
         for path in listed:
             with np.load(path) as data:

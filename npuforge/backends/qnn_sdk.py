@@ -166,6 +166,7 @@ def _run(cmd, log_path):
 def compile_sdk(request, calibration_dir) -> dict:
     """Run the SDK's three tools per chunk; write <chunk>.bin files and compile.json."""
     from npuforge.backends.base import load_exports
+    from npuforge.calibration_formats import chunk_samples, write_qnn_input_list
 
     options, precision, target_id = request.options, request.precision, request.target
     reason = unavailable_reason("native", options)
@@ -190,7 +191,8 @@ def compile_sdk(request, calibration_dir) -> dict:
             chunk_work.mkdir(parents=True)
             input_list = overrides = None
             if precision != "fp16":
-                input_list = Path(calibration_dir) / "qnn" / name / "input_list.txt"
+                samples, inputs = chunk_samples(calibration_dir, index)
+                input_list = write_qnn_input_list(samples, inputs, chunk_work / "samples")
                 overrides = chunk_work / "quant_overrides.json"
                 write_json(overrides, quantization_overrides(graph, []))
             cpp = chunk_work / f"{name}.cpp"

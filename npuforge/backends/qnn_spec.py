@@ -18,33 +18,16 @@ RANGE_MARGIN = 1.0
 
 
 def calibration_samples(calibration_dir, chunk: int) -> list[dict]:
-    """One chunk's samples, [{input name: absolute raw path}], from qnn/chunk{i}/input_list.txt."""
-    listing = Path(calibration_dir) / "qnn" / f"chunk{chunk}" / "input_list.txt"
-    if not listing.is_file():
-        raise NpuforgeError(
-            f"calibration directory has no {listing.relative_to(Path(calibration_dir))}: "
-            "rerun make_calibration_samples.py for this export"
-        )
-    samples = []
-    for line in listing.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        sample = {}
-        for entry in line.split():
-            name, sep, raw = entry.partition(":=")
-            if not sep:
-                raise NpuforgeError(
-                    f"{listing}: entry '{entry}' is not name:=path; regenerate the samples"
-                )
-            raw_path = Path(raw)
-            if not raw_path.is_absolute():
-                raw_path = listing.parent / raw_path
-            sample[name] = str(raw_path.resolve())
-        samples.append(sample)
+    """One chunk's samples, [{input name: absolute path of the sample's .npz}]."""
+    from npuforge.calibration_formats import chunk_samples
+
+    samples, inputs = chunk_samples(calibration_dir, chunk)
     if not samples:
-        raise NpuforgeError(f"{listing} lists no samples: rerun make_calibration_samples.py")
-    return samples
+        raise NpuforgeError(
+            f"{calibration_dir} holds no samples of chunk {chunk}: "
+            "rerun make_calibration_samples.py"
+        )
+    return [{spec["name"]: str(path.resolve()) for spec in inputs} for path in samples]
 
 
 def _input_ranges(export, graph: dict) -> dict:

@@ -255,6 +255,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
 
     from npuforge.backends.rknn_graph import rewrite_file
     from npuforge.calibration import calibrations_by_variant, read_calibration
+    from npuforge.calibration_formats import chunk_samples, write_rknn_dataset
 
     options, precision, target = request.options, request.precision, request.target
     check_precision(target, options, precision)
@@ -350,11 +351,12 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             }
             dataset = None
             if quantized:
-                dataset = calibration_dir / calibration["chunks"][index]["rknn"]["dataset"]
+                samples, sample_inputs = chunk_samples(calibration_dir, index)
+                dataset = write_rknn_dataset(samples, sample_inputs, chunk_work / "dataset")
             spec = build_spec(graph, index, paths, options, precision, dataset, steps)
             spec_path = chunk_work / "spec.json"
             write_json(spec_path, spec)
-            read_only = [export.dir] + ([calibration_dir] if calibration_dir else [])
+            read_only = [export.dir]
             try:
                 base.run_job(
                     request,

@@ -265,7 +265,7 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
         if precision in CALIBRATED:
             samples = calibration_samples(calibration, inputs)
             if not samples:
-                where = ", ".join(f"{d}/tpumlir/" for d in _as_dirs(calibration))
+                where = ", ".join(str(d) for d in _as_dirs(calibration))
                 raise NpuforgeError(
                     f"no calibration sample in {where} fits the {variant} graph (inputs "
                     f"{[s['name'] for s in inputs]}): pass --calibration with samples made by "

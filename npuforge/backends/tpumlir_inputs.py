@@ -95,16 +95,17 @@ def _as_dirs(calibration_dirs) -> list[Path]:
 
 
 def calibration_samples(calibration_dirs, inputs) -> list[str]:
-    """The .npz samples under each <calibration>/tpumlir/ whose keys and shapes fit this graph.
+    """The .npz samples of each calibration directory whose keys and shapes fit this graph.
 
-    Layout (docs/interfaces.md): one .npz per sample, keys = input names. The compile
-    step gets one calibration directory per export; samples of another graph (decode
-    samples when compiling prefill: other token count) are left out by shape.
+    Layout (docs/interfaces.md): <calibration>/chunk{i}/sample{j}.npz, keys = input
+    names. The compile step gets one calibration directory per export; samples of
+    another graph (decode samples when compiling prefill: other token count) are left
+    out by shape.
     """
     import numpy as np
 
     wanted = {spec["name"]: tuple(spec["shape"]) for spec in inputs}
-    found = [s for d in _as_dirs(calibration_dirs) for s in sorted((d / "tpumlir").rglob("*.npz"))]
+    found = [s for d in _as_dirs(calibration_dirs) for s in sorted(d.glob("chunk*/*.npz"))]
     chosen = []
     for sample in found:
         with np.load(sample) as data:

@@ -183,14 +183,14 @@ def cpu_session(ort, path: str):
 # --------------------------------------------------------------------------- quantization
 
 
-def _raw_reader(samples: list, inputs: list):
-    """A CalibrationDataReader over raw files: one dict {input name: path} per sample."""
+def _sample_reader(samples: list, inputs: list):
+    """A CalibrationDataReader over .npz samples: one dict {input name: path} per sample."""
     import numpy as np
 
     specs = {item["name"]: item for item in inputs}
     progress = Progress("calibration samples run", len(samples))
 
-    class RawReader:
+    class SampleReader:
         def __init__(self):
             self._iter = iter(samples)
 
@@ -200,16 +200,18 @@ def _raw_reader(samples: list, inputs: list):
                 return None
             progress.step()
             feed = {}
-            for name, path in sample.items():
-                item = specs[name]
-                data = np.fromfile(path, dtype=np.dtype(item["dtype"]))
-                feed[name] = data.reshape(item["shape"])
+            for path in sorted(set(sample.values())):
+                with np.load(path) as data:
+                    for name in (n for n, p in sample.items() if p == path):
+                        item = specs[name]
+                        value = data[name].astype(np.dtype(item["dtype"]), copy=False)
+                        feed[name] = value.reshape(item["shape"])
             return feed
 
         def rewind(self):
             self._iter = iter(samples)
 
-    return RawReader()
+    return SampleReader()
 
 
 def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_override=None):
@@ -667,7 +669,7 @@ def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float,
         use_external_data_format=True,
         providers=["CPUExecutionProvider"],
     )
-    calibrator.collect_data(_raw_reader(samples, inputs))
+    calibrator.collect_data(_sample_reader(samples, inputs))
     ranges = {}
     for name, data in calibrator.compute_data().data.items():
         rmin, rmax = data.range_value
@@ -765,7 +767,7 @@ def quantize_graph(
         overrides[name] = [{"quant_type": QuantType.QUInt16, **bounds}]
     config = get_qnn_qdq_config(
         model_path,
-        _raw_reader(samples, inputs),
+        _sample_reader(samples, inputs),
         activation_type=QuantType.QUInt16,
         weight_type=weight_type,
         per_channel=True,
