@@ -765,11 +765,29 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import qnn_job
 args = json.loads(sys.argv[2])
-if args.pop("plain"):
+if args.pop("plain", False):
     qnn_job._quantizer_without_quadratic_scans = lambda: None
+if args.pop("calibrate_twice", False):
+    once = qnn_job._quantize
+    qnn_job._quantize = lambda model, target, config, measured, work: once(
+        model, target, config, None, work)
+reads = []
+sample_reader = qnn_job._sample_reader
+def counting_reader(samples, inputs):
+    reader = sample_reader(samples, inputs)
+    class Counting:
+        def get_next(self):
+            feed = reader.get_next()
+            reads.append(feed is not None)
+            return feed
+        def rewind(self):
+            reader.rewind()
+    return Counting()
+qnn_job._sample_reader = counting_reader
 qnn_job.quantize_graph(**args)
 import onnxruntime.quantization.onnx_model as m
 print(m.ONNXModel.replace_input_of_all_nodes.__qualname__)
+print("samples read:", sum(reads))
 """
 
 
@@ -859,3 +877,40 @@ def test_faster_quantizer_lookups_write_the_same_qdq_model(qnn_stamp, workspace,
         written[plain] = {p.name: p.read_bytes() for p in kept}
     assert written[True].keys() == written[False].keys() and "qdq.onnx" in written[True]
     assert written[True] == written[False]
+
+
+@pytest.mark.toolchain
+def test_ranges_measured_once_write_the_same_qdq_model(qnn_stamp, workspace, tmp_path):
+    """With ranges of its own (cover_stream, range_margin) the job runs the samples once:
+    onnxruntime's quantizer reads those min/max from its calibration cache. The same
+    QDQ bytes as when the quantizer calibrates again."""
+    python = json.loads(qnn_stamp.read_text())["python"]
+    graph = json.loads((workspace["export"] / "export.json").read_text())["graphs"][1]
+    samples = qnn_spec.calibration_samples(workspace["calibration"], 1)
+    assert len(samples) > 1
+    written, reads = {}, {}
+    for twice in (True, False):
+        target = tmp_path / ("twice" if twice else "once") / "qdq.onnx"
+        args = {
+            "calibrate_twice": twice,
+            "source": str(workspace["export"] / graph["file"]),
+            "target": str(target),
+            "precision": "a16w8",
+            "samples": samples,
+            "inputs": graph["inputs"],
+            "keep_16bit_tensors": [],
+            "range_margin": 0.05,
+            "cover_stream": True,
+        }
+        run = subprocess.run(
+            [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        reads[twice] = int(run.stdout.rsplit("samples read:", 1)[1])
+        kept = [p for p in target.parent.iterdir() if p.name.startswith(("qdq", "preprocessed"))]
+        written[twice] = {p.name: p.read_bytes() for p in kept}
+        assert not (target.parent / "measured_ranges.json").exists()
+    assert reads == {True: 2 * len(samples), False: len(samples)}
+    assert "qdq.onnx" in written[True] and written[True] == written[False]

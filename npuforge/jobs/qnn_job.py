@@ -652,14 +652,8 @@ def ranges_covering_stream(ranges: dict, pairs: list) -> dict:
     return covered
 
 
-def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float, work: Path):
-    """Min/max of every activation over the samples, widened by ``margin`` of its span.
-
-    A few calibration samples rarely reach a recurrent model's extremes; at 16
-    bits, giving up a fraction of a bit of resolution for headroom costs far
-    less than clipping the steps the samples did not see.
-    """
-    import numpy as np
+def _measured_ranges(model_path: str, samples: list, inputs: list, work: Path):
+    """onnxruntime's min/max calibration of every activation over the samples."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
     calibrator = create_calibrator(
@@ -670,8 +664,22 @@ def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float,
         providers=["CPUExecutionProvider"],
     )
     calibrator.collect_data(_sample_reader(samples, inputs))
+    measured = calibrator.compute_data()
+    calibrator.clear_collected_data()
+    return measured
+
+
+def _widened_ranges(measured, margin: float) -> dict:
+    """Measured min/max of every activation, widened by ``margin`` of its span.
+
+    A few calibration samples rarely reach a recurrent model's extremes; at 16
+    bits, giving up a fraction of a bit of resolution for headroom costs far
+    less than clipping the steps the samples did not see.
+    """
+    import numpy as np
+
     ranges = {}
-    for name, data in calibrator.compute_data().data.items():
+    for name, data in measured.data.items():
         rmin, rmax = data.range_value
         rmin, rmax = float(np.min(rmin)), float(np.max(rmax))
         span = max(rmax - rmin, 1e-6)
@@ -682,8 +690,42 @@ def _widened_ranges(model_path: str, samples: list, inputs: list, margin: float,
             "rmin": np.float32(rmin - margin * span if rmin < 0 else rmin),
             "rmax": np.float32(rmax + margin * span if rmax > 0 else rmax),
         }
-    calibrator.clear_collected_data()
     return ranges
+
+
+def _quantize(model_path: str, target: str, config, measured, work: Path) -> None:
+    """onnxruntime's quantize_static with ``config``. Given ranges already measured
+    over the same samples and graph, it reads them from its calibration cache instead
+    of running every sample a second time (the same min/max, so the same bytes)."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+    from onnxruntime.quantization.quantize import quantize_static
+
+    cache = None
+    if measured is not None:
+        cache = work / "measured_ranges.json"
+        save_tensors_data(measured, cache)
+    try:
+        quantize_static(
+            model_path,
+            target,
+            config.calibration_data_reader,
+            calibration_cache_path=cache,
+            calibrate_method=config.calibrate_method,
+            quant_format=config.quant_format,
+            activation_type=config.activation_type,
+            weight_type=config.weight_type,
+            op_types_to_quantize=config.op_types_to_quantize,
+            nodes_to_quantize=config.nodes_to_quantize,
+            nodes_to_exclude=config.nodes_to_exclude,
+            per_channel=config.per_channel,
+            reduce_range=config.reduce_range,
+            use_external_data_format=config.use_external_data_format,
+            calibration_providers=config.calibration_providers,
+            extra_options=config.extra_options,
+        )
+    finally:
+        if cache is not None:
+            cache.unlink(missing_ok=True)
 
 
 def quantize_graph(
@@ -704,7 +746,7 @@ def quantize_graph(
     residual branches get ranges that cover their stream (``ranges_covering_stream``)."""
     import numpy as np
     import onnx
-    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.execution_providers.qnn import (
         get_qnn_qdq_config,
         qnn_preprocess_model,
@@ -750,9 +792,10 @@ def quantize_graph(
     wide = wide_weights(model, overrides, per_column, weights_16bit or [])
     for name in wide["tensors"]:
         overrides[name] = [{**per_column, "quant_type": QuantType.QInt16}]
-    covered = {}
+    covered, measured = {}, None
     if range_margin or cover_stream:
-        ranges = _widened_ranges(model_path, samples, inputs, range_margin, work)
+        measured = _measured_ranges(model_path, samples, inputs, work)
+        ranges = _widened_ranges(measured, range_margin)
         if cover_stream:
             covered = ranges_covering_stream(ranges, residual_branches(model))
             ranges.update(covered)
@@ -782,7 +825,7 @@ def quantize_graph(
     _QDQ_PROGRESS = Progress("tensors given Q/DQ", tensors, bound=True)
     log(f"inserting Q/DQ into {len(model.graph.node)} nodes")
     try:
-        quantize(model_path, target, config)
+        _quantize(model_path, target, config, measured, work)
     finally:
         _QDQ_PROGRESS = None
         _NAME_INDEX.clear()
