@@ -134,6 +134,11 @@ def test_calibration_listing(tmp_path):
     (chunk / "sample1.npz").unlink()
     with pytest.raises(NpuforgeError, match="sample1.npz is missing.*make_calibration_samples"):
         qnn_spec.calibration_samples(tmp_path, 1)
+    # A directory of the old three-format layout names no .npz per chunk.
+    old = {"chunks": [{"index": 1, "inputs": inputs, "qnn": {"input_list": "qnn/chunk1/x"}}]}
+    (tmp_path / "calibration.json").write_text(json.dumps(old))
+    with pytest.raises(NpuforgeError, match="older npuforge.*rerun make_calibration_samples"):
+        qnn_spec.calibration_samples(tmp_path, 1)
 
 
 def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
