@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
+from npuforge.fileio import read_json
 
 # A zip entry's timestamp; fixed so .npz files are byte-deterministic.
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -75,11 +76,9 @@ def write_samples(tmp: Path, graphs: list, captured: list) -> list:
 
 def chunk_samples(calibration_dir, index: int) -> tuple[list[Path], list[dict]]:
     """(the .npz samples of chunk ``index``, that chunk's inputs) of a calibration directory."""
-    import json
-
     calibration_dir = Path(calibration_dir)
     record = calibration_dir / "calibration.json"
-    chunks = json.loads(record.read_text()).get("chunks", []) if record.is_file() else []
+    chunks = read_json(record).get("chunks", []) if record.is_file() else []
     chunk = next((c for c in chunks if c.get("index") == index), None)
     if chunk is None or "npz" not in chunk:
         raise NpuforgeError(

@@ -850,6 +850,21 @@ def test_a_weights_16bit_pattern_that_is_no_regex_is_refused():
         qnn.check_target("SM8650", options, ["a16w8"])
 
 
+def quantize_in_toolchain(python, args) -> tuple[str, dict]:
+    """Run QUANTIZE_SCRIPT in the toolchain's Python: (its stdout, {file: bytes} of the
+    QDQ model and the preprocessed graph it read)."""
+    run = subprocess.run(
+        [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    # The job's own scratch (the augmented calibration graph) has random tensor names.
+    folder = Path(args["target"]).parent
+    kept = [p for p in folder.iterdir() if p.name.startswith(("qdq", "preprocessed"))]
+    return run.stdout, {p.name: p.read_bytes() for p in kept}
+
+
 @pytest.mark.toolchain
 def test_faster_quantizer_lookups_write_the_same_qdq_model(qnn_stamp, workspace, tmp_path):
     """The job's quicker onnxruntime lookups and graph augmentation change the time,
@@ -869,17 +884,9 @@ def test_faster_quantizer_lookups_write_the_same_qdq_model(qnn_stamp, workspace,
             "keep_16bit_tensors": [],
             "range_margin": 0.05,  # the job's own min/max calibration runs too
         }
-        run = subprocess.run(
-            [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
-            capture_output=True,
-            text=True,
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
+        stdout, written[plain] = quantize_in_toolchain(python, args)
         # Which replace_input_of_all_nodes ran: onnxruntime's own, or the job's.
-        assert ("_quantizer_without_quadratic_scans" in run.stdout) is not plain
-        # The job's own scratch (the augmented calibration graph) has random tensor names.
-        kept = [p for p in target.parent.iterdir() if p.name.startswith(("qdq", "preprocessed"))]
-        written[plain] = {p.name: p.read_bytes() for p in kept}
+        assert ("_quantizer_without_quadratic_scans" in stdout) is not plain
     assert written[True].keys() == written[False].keys() and "qdq.onnx" in written[True]
     assert written[True] == written[False]
 
@@ -907,15 +914,8 @@ def test_ranges_measured_once_write_the_same_qdq_model(qnn_stamp, workspace, tmp
             "range_margin": 0.05,
             "cover_stream": True,
         }
-        run = subprocess.run(
-            [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
-            capture_output=True,
-            text=True,
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-        reads[twice] = int(run.stdout.rsplit("samples read:", 1)[1])
-        kept = [p for p in target.parent.iterdir() if p.name.startswith(("qdq", "preprocessed"))]
-        written[twice] = {p.name: p.read_bytes() for p in kept}
+        stdout, written[twice] = quantize_in_toolchain(python, args)
+        reads[twice] = int(stdout.rsplit("samples read:", 1)[1])
         assert not (target.parent / "measured_ranges.json").exists()
     assert reads == {True: 2 * len(samples), False: len(samples)}
     assert "qdq.onnx" in written[True] and written[True] == written[False]

@@ -200,12 +200,11 @@ def _sample_reader(samples: list, inputs: list):
                 return None
             progress.step()
             feed = {}
-            for path in sorted(set(sample.values())):
+            for name, path in sample.items():
+                item = specs[name]
                 with np.load(path) as data:
-                    for name in (n for n, p in sample.items() if p == path):
-                        item = specs[name]
-                        value = data[name].astype(np.dtype(item["dtype"]), copy=False)
-                        feed[name] = value.reshape(item["shape"])
+                    value = data[name].astype(np.dtype(item["dtype"]), copy=False)
+                feed[name] = value.reshape(item["shape"])
             return feed
 
         def rewind(self):
