@@ -1,7 +1,8 @@
 """Reproducible vendor binaries: the pinned process every toolchain job compiles in.
 
 rknn-toolkit2 and QAIRT's HTP compiler copy uninitialised memory into their
-binaries: struct padding holding stale heap pointers (rknn-toolkit2), and the
+binaries: struct padding holding stale pointers and its own passes' timings
+(rknn-toolkit2), and the
 unused 16-bit halves of fp16 constants' 128-byte HVX vectors, which hold earlier
 tensors' values and freed objects' pointers (QAIRT 2.51). What that memory holds
 follows the process's whole allocation history, so a job repeats its bytes only
@@ -17,10 +18,13 @@ in a process whose history repeats:
   compile at times of its own choosing;
 * a clock that counts instead of ticking (``fixed_clock``): QAIRT's context
   generation allocates by the elapsed times it reads, so under load a context
-  came out with other padding bytes; libfaketime (preloaded from the toolchain's
-  own pinned ``libfaketime`` wheel) makes every read advance 1 ms from a fixed
-  start. Sleeps and timed waits then never end, so only a process that needs
-  neither (context generation) runs with it;
+  came out with other padding bytes, and rknn-toolkit2 leaves elapsed times (as
+  floats) in stack slots its tensor records later copy (SmolLM2-135M: 2,475 bytes
+  of chunk 0 differed build to build); libfaketime (preloaded from the
+  toolchain's own pinned ``libfaketime`` wheel) makes every read advance 1 ms
+  from a fixed start. QAIRT's sleeps and timed waits then never end, so of a QNN
+  job only context generation runs with it; the whole rknn job does (build,
+  export, simulator);
 * no address randomisation (``personality(ADDR_NO_RANDOMIZE)``, ``disable_aslr``):
   the stale pointers, and allocation decisions that depend on them, repeat.
   Container engines' default seccomp profiles refuse the call unless allowed

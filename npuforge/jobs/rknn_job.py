@@ -28,19 +28,16 @@ import json
 import os
 import re
 import sys
-import time
 
 # Where progress lines go while fd 1 is the toolkit's log: the job's own stdout,
 # which the caller echoes into the step log as the job runs.
-_PROGRESS = {"fd": None, "last": 0.0}
+_PROGRESS = {"fd": None}
+# A line per this many simulator steps: counted, since the job's clock is not real.
+SIMULATOR_REPORT_EVERY = 8
 
 
-def say(message, every=0.0):
-    """One progress line on the job's stdout (at most one per ``every`` seconds)."""
-    now = time.monotonic()
-    if now - _PROGRESS["last"] < every:
-        return
-    _PROGRESS["last"] = now
+def say(message):
+    """One progress line on the job's stdout."""
     line = f"[rknn_job] {message}\n".encode()
     fd = _PROGRESS["fd"]
     if fd is None:
@@ -148,7 +145,8 @@ def _deterministic_reexec():
 
     stage, python, lock = _stage(sys.argv[1])
     os.set_inheritable(lock, True)  # held across exec, released when the job ends
-    env = job_stage.fixed_environment(stage, {**_DETERMINISTIC_ENV, _PINNED: "aslr-on"})
+    clock = job_stage.fixed_clock(stage)
+    env = job_stage.fixed_environment(stage, {**_DETERMINISTIC_ENV, **clock, _PINNED: "aslr-on"})
     if job_stage.disable_aslr():
         env[_PINNED] = "aslr-off"
     job_stage.one_cpu()
@@ -266,10 +264,8 @@ def main(spec_path):
     quantize = spec["precision"] != "fp16"
     log_path = spec["build_log"]
     _LOG["path"] = log_path
-    timings = {}
     restore = _redirect_fds(log_path)
     try:
-        start = time.monotonic()
         rknn = RKNN(verbose=True)
         config = {
             "target_platform": spec["target_platform"],
@@ -294,15 +290,15 @@ def main(spec_path):
                 "build",
             )
             hybrid_record = None
-        say(f"built in {time.monotonic() - start:.0f} s; exporting")
+        # No seconds here: the staged process's clock counts reads (job_stage.fixed_clock);
+        # the caller's heartbeat gives the real time.
+        say("built; exporting")
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
-        timings["compile_s"] = round(time.monotonic() - start, 2)
         # The real paths are read only now: nothing before the export saw them.
         dest = _destinations(spec)
 
         verify = dest.get("verify")
         if verify:
-            start = time.monotonic()
             _check(rknn.init_runtime(), "init_runtime (simulator)")
             feeds = {name: np.load(path) for name, path in verify["feeds"].items()}
             first_state = verify.get("start") or {}
@@ -322,7 +318,8 @@ def main(spec_path):
                 for i in spec["inputs"]:
                     value = state[i["name"]] if i["role"] == "state" else feeds[i["name"]][step]
                     inputs.append(np.ascontiguousarray(value, dtype=np.float32))
-                say(f"simulator step {step + 1} of {verify['steps']}", every=10.0)
+                if step % SIMULATOR_REPORT_EVERY == 0:
+                    say(f"simulator step {step + 1} of {verify['steps']}")
                 outputs = rknn.inference(inputs=inputs, data_format=formats)
                 if outputs is None:
                     raise RuntimeError(f"simulator inference failed at step {step}")
@@ -334,7 +331,6 @@ def main(spec_path):
                         saved[o["name"]].append(value)
             for name, path in verify["save"].items():
                 np.save(path, np.stack(saved[name]))
-            timings["simulate_s"] = round(time.monotonic() - start, 2)
         rknn.release()
     finally:
         restore()
@@ -350,7 +346,7 @@ def main(spec_path):
         placement = parse_placement(handle.read())
     result = {
         "placement": placement,
-        "timings": timings,
+        "fixed_clock": job_stage.heap_settings()["fixed_clock"],
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
         "site_packages": job_stage.site_packages_mode(),
         "hybrid": hybrid_record,
