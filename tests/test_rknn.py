@@ -417,6 +417,29 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
 
 
 @pytest.mark.toolchain
+def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
+    """On a graph this deep the stale stack slots rknn-toolkit2 copies into its tensor
+    records hold its passes' elapsed times: 564 bytes differed between two builds of
+    this model before the job ran on a counting clock (job_stage.fixed_clock)."""
+    from npuforge import models
+    from npuforge.models.llama.weights import write_synthetic_checkpoint
+
+    checkpoint = tmp_path / "checkpoint"
+    dims = dict(layers=16, embed=128, heads=4, kv_heads=2, vocab=512, intermediate=256)
+    write_synthetic_checkpoint(checkpoint, seed=0, arch="llama", **dims)
+    export = tmp_path / "export"
+    options = {"variant": "decode", "dtype": "fp32", "ext_embedding": True, "cache_len": 64}
+    models.export("llama", checkpoint, export, options)
+    first, second = tmp_path / "a", tmp_path / "b"
+    short = {**RK3588, "verify_steps": 8}
+    record = compile_rknn([export], None, "RK3588", short, "fp16", toolchain, first)
+    assert record["verification"]["passed"]
+    assert record["options"]["fixed_clock"] == "@2000-01-01 00:00:00 i0.001"
+    compile_rknn([export], None, "RK3588", short, "fp16", toolchain, second)
+    assert _digests(first) == _digests(second)
+
+
+@pytest.mark.toolchain
 def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
     from npuforge.calibration import make_calibration_samples
 
