@@ -1,12 +1,11 @@
 """Reproducible vendor binaries: the pinned process every toolchain job compiles in.
 
 rknn-toolkit2 and QAIRT's HTP compiler copy uninitialised memory into their
-binaries: struct padding holding stale pointers and its own passes' timings
-(rknn-toolkit2), and the
-unused 16-bit halves of fp16 constants' 128-byte HVX vectors, which hold earlier
-tensors' values and freed objects' pointers (QAIRT 2.51). What that memory holds
-follows the process's whole allocation history, so a job repeats its bytes only
-in a process whose history repeats:
+binaries: struct padding holding stale pointers and the toolkit's own elapsed
+times (rknn-toolkit2), and the unused 16-bit halves of fp16 constants' 128-byte
+HVX vectors, which hold earlier tensors' values and freed objects' pointers
+(QAIRT 2.51). What that memory holds follows the process's whole allocation
+history, so a job repeats its bytes only in a process whose history repeats:
 
 * glibc fills every fresh heap block with one pattern (``MALLOC_PERTURB_=85``);
   the tcache skips that fill and keys blocks per process, so QNN jobs turn it off
