@@ -422,6 +422,7 @@ def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
     records hold its passes' elapsed times: 564 bytes differed between two builds of
     this model before the job ran on a counting clock (job_stage.fixed_clock)."""
     from npuforge import models
+    from npuforge.jobs.job_stage import FIXED_CLOCK
     from npuforge.models.llama.weights import write_synthetic_checkpoint
 
     checkpoint = tmp_path / "checkpoint"
@@ -434,7 +435,7 @@ def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
     short = {**RK3588, "verify_steps": 8}
     record = compile_rknn([export], None, "RK3588", short, "fp16", toolchain, first)
     assert record["verification"]["passed"]
-    assert record["options"]["fixed_clock"] == "@2000-01-01 00:00:00 i0.001"
+    assert record["options"]["fixed_clock"] == FIXED_CLOCK
     compile_rknn([export], None, "RK3588", short, "fp16", toolchain, second)
     assert _digests(first) == _digests(second)
 
