@@ -11,6 +11,7 @@ toolchain stay (``KEPT_VERSIONS``), older ones are evicted unless a job is using
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 CACHE_ENV = "NPUFORGE_CACHE"
@@ -35,27 +36,66 @@ def lock_path(entry: Path) -> Path:
     return entry.parent / f"{entry.name}.lock"
 
 
+# While a lock is held elsewhere, the waiter says so this often (seconds).
+WAIT_REPORT_EVERY = 10.0
+
+
+def _flock(handle, mode: int, entry: Path, say) -> None:
+    """Take ``mode`` on ``handle``; while another process holds the entry, ``say`` so
+    (when given) every WAIT_REPORT_EVERY seconds: a build can wait an hour on another."""
+    if say is None:
+        fcntl.flock(handle, mode)
+        return
+    started = time.monotonic()
+    reported = None
+    while True:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            now = time.monotonic()
+            if reported is None or now - reported >= WAIT_REPORT_EVERY:
+                say(
+                    f"waiting for {entry.name}: another npuforge process on this machine is "
+                    f"building or using it ({int(now - started)} s so far)"
+                )
+                reported = now
+            time.sleep(0.5)
+
+
 @contextlib.contextmanager
-def entry_lock(entry: Path):
+def entry_lock(entry: Path, say=None):
     """Hold an exclusive lock on ``entry`` (a sibling ``.lock`` file) while building it:
     a second builder waits, then finds the entry complete. Marks the entry used."""
     entry = Path(entry)
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path(entry), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        _flock(handle, fcntl.LOCK_EX, entry, say)
         yield
 
 
 @contextlib.contextmanager
-def entry_in_use(entry: Path):
+def entry_in_use(entry: Path, say=None):
     """Hold a shared lock on ``entry`` while a job uses it, so no eviction removes it
     (a builder of the same entry waits too). Marks the entry used."""
     lock = lock_path(entry)
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
+        _flock(handle, fcntl.LOCK_SH, Path(entry), say)
         os.utime(lock)
         yield
+
+
+def build_once(entry: Path, complete, build, say=None) -> None:
+    """Build ``entry`` unless it is complete. A complete entry is checked under a shared
+    lock, so a job using it (which holds one) does not hold this up; only a build takes
+    the exclusive lock, and a second builder then finds the entry complete."""
+    with entry_in_use(entry, say):
+        if complete():
+            return
+    with entry_lock(entry, say):
+        if not complete():
+            build()
 
 
 def last_used(entry: Path) -> float:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from npuforge.cache import KEPT_VERSIONS, cache_root, entry_in_use, entry_lock, evict_older
+from npuforge.cache import KEPT_VERSIONS, build_once, cache_root, entry_in_use, evict_older
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 from npuforge.jobs import job_stage
@@ -196,6 +196,17 @@ def disk_full(what: str, output: str) -> str | None:
     )
 
 
+def _waiting_reporter(log):
+    """Says, in the build log and the step's output, that the step waits for another."""
+    out = _Tee(log, sys.stdout)
+
+    def say(message):
+        out.write(message + "\n")
+        out.flush()
+
+    return say
+
+
 class _Tee:
     """Writes to several text streams at once (a build log and the step's output)."""
 
@@ -265,34 +276,36 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
     others = [p for p in venv.parent.glob(f"{backend}-native-*") if p.is_dir() and p != venv]
     removed, busy = evict_older(others, shutil.rmtree)
     _report_eviction(backend, [e.name for e in removed], [e.name for e in busy], log)
-    # Another checkout may be building the same venv: the second waits, then reuses it.
-    with entry_lock(venv):
-        if not (venv / ".complete").exists():
-            log.write(f"building the {backend} toolchain venv in {venv}\n")
+
+    def build():
+        log.write(f"building the {backend} toolchain venv in {venv}\n")
+        log.flush()
+        shutil.rmtree(venv, ignore_errors=True)
+        check_free_space(backend, venv.parent)
+        base = _native_base_python(backend, target_options)
+        try:
+            _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
+            env = {**os.environ, **_pip_environment()}
+            # Minutes for a large lock (TPU-MLIR's: ~4 GB): pip's lines go to the step's
+            # output too, with a line every 10 s while pip is quiet.
+            install = [python, "-m", "pip", "install", "--no-input", "--no-deps"]
+            install += ["--no-cache-dir", "-r", lock]
+            log.write(f"$ {' '.join(map(str, install))}\n")
             log.flush()
+            code, output = _run_reporting(
+                install, env, None, f"installing {lock.name}", out=_Tee(log, sys.stdout)
+            )
+            if code != 0:
+                what = f"installing {lock}"
+                full = disk_full(what, output)
+                raise NpuforgeError(full or f"{what} failed (exit {code}): see {log.name}")
+        except BaseException:
             shutil.rmtree(venv, ignore_errors=True)
-            check_free_space(backend, venv.parent)
-            base = _native_base_python(backend, target_options)
-            try:
-                _run([base, "-m", "venv", venv], log=log, what=f"creating the {backend} venv")
-                env = {**os.environ, **_pip_environment()}
-                # Minutes for a large lock (TPU-MLIR's: ~4 GB): pip's lines go to the step's
-                # output too, with a line every 10 s while pip is quiet.
-                install = [python, "-m", "pip", "install", "--no-input", "--no-deps"]
-                install += ["--no-cache-dir", "-r", lock]
-                log.write(f"$ {' '.join(map(str, install))}\n")
-                log.flush()
-                code, output = _run_reporting(
-                    install, env, None, f"installing {lock.name}", out=_Tee(log, sys.stdout)
-                )
-                if code != 0:
-                    what = f"installing {lock}"
-                    full = disk_full(what, output)
-                    raise NpuforgeError(full or f"{what} failed (exit {code}): see {log.name}")
-            except BaseException:
-                shutil.rmtree(venv, ignore_errors=True)
-                raise
-            (venv / ".complete").write_text("ok\n")
+            raise
+        (venv / ".complete").write_text("ok\n")
+
+    # Another checkout may be building the same venv: the second waits, then reuses it.
+    build_once(venv, (venv / ".complete").exists, build, say=_waiting_reporter(log))
     return {"python": str(python), "versions": _versions_native(str(python), backend, repo_root)}
 
 
@@ -391,11 +404,14 @@ def evict_older_images(backend, engine, image, log) -> None:
 def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     image = image_name(backend, repo_root)
     evict_older_images(backend, engine, image, log)
+
+    def build():
+        check_free_space(backend, _image_store(engine))
+        _build_image(backend, engine, image, repo_root, target_options, log)
+
     # Another checkout may be building the same image: the second waits, then reuses it.
-    with entry_lock(image_marker(image)):
-        if not image_exists(engine, image):
-            check_free_space(backend, _image_store(engine))
-            _build_image(backend, engine, image, repo_root, target_options, log)
+    present = functools.partial(image_exists, engine, image)
+    build_once(image_marker(image), present, build, say=_waiting_reporter(log))
     versions = _run_in_image(
         engine,
         image,

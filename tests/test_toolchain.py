@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -516,3 +517,46 @@ def test_a_stamp_records_the_toolchain_options_from_a_dict_or_a_backends_typed_o
     assert toolchain.toolchain_options("tpumlir", vars(typed)) == {"python": typed.python}
     assert toolchain.toolchain_options("tpumlir", types.SimpleNamespace(python=None)) == {}
     assert toolchain.toolchain_options("tpumlir", None) == {}
+
+
+def test_a_prepare_does_not_wait_for_a_job_using_the_finished_venv(tmp_path):
+    from npuforge.cache import entry_in_use
+
+    make_backend(tmp_path)
+    stamp = toolchain.prepare(
+        "toy", "native", tmp_path / "a" / "toy-native.json", repo_root=tmp_path
+    )
+    venv = Path(stamp["python"]).parents[1]
+    prepared = []
+    # A job of another checkout runs in the venv (it holds the entry shared) meanwhile.
+    with entry_in_use(venv):
+        second = threading.Thread(
+            target=lambda: prepared.append(
+                toolchain.prepare(
+                    "toy", "native", tmp_path / "b" / "toy-native.json", repo_root=tmp_path
+                )
+            ),
+            daemon=True,
+        )
+        second.start()
+        second.join(timeout=60)
+        assert prepared and prepared[0]["python"] == stamp["python"]
+
+
+def test_a_builder_waiting_for_another_says_so_while_it_waits(tmp_path, monkeypatch):
+    from npuforge import cache
+
+    monkeypatch.setattr(cache, "WAIT_REPORT_EVERY", 0.2)
+    entry, said, built = tmp_path / "venv-x", [], []
+    with cache.entry_lock(entry):  # another process is building it
+        waiter = threading.Thread(
+            target=cache.build_once,
+            args=(entry, entry.exists, lambda: built.append(1), said.append),
+        )
+        waiter.start()
+        time.sleep(1.2)
+        assert not built and len(said) >= 3
+        entry.mkdir()  # the other build completes
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and not built  # found complete: not built twice
+    assert said[0].startswith("waiting for venv-x: another npuforge process on this machine")
