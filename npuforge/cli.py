@@ -132,6 +132,13 @@ def compile_argument_parser(description: str):
         default="trained",
         help="the checkpoint's weights: trained, or synthetic (random); chooses the floors",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU cores the step may use (tpumlir: nets compiled side by side); "
+        "the bytes do not depend on it",
+    )
     parser.add_argument("--out-dir", required=True, help="directory to write")
     parser.add_argument("--log", help="append the toolchain job's output here")
     return parser

@@ -28,11 +28,11 @@ rule compile:
         f"{RESULTS}/benchmarks/compile/{{model}}/{{target}}/{{precision}}.tsv"
     conda:
         MAIN_ENV
-    threads: 1
+    threads: lambda w: TARGETS[w.target].get("compile_threads", 1)
     resources:
         mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
     params:
         options=compile_options,
         paths=compile_paths,
     shell:
-        "python workflow_scripts/compile.py {params.paths} {params.options} --out-dir {output} > {log} 2>&1"
+        "python workflow_scripts/compile.py {params.paths} {params.options} --threads {threads} --out-dir {output} > {log} 2>&1"

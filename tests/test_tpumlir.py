@@ -496,10 +496,10 @@ def test_parse_comparisons_reads_npz_tool_output():
     assert bad["passed"] is False and bad["tensors"]["logits"]["passed"] is False
 
 
-def _fake_step(tmp_path, name, code, expects):
+def _fake_step(tmp_path, name, code, expects, graph="decode"):
     return {
         "name": name,
-        "graph": "decode",
+        "graph": graph,
         "stage": "deploy",
         "cwd": str(tmp_path),
         "argv": [sys.executable, "-c", code],
@@ -557,6 +557,104 @@ def test_job_fails_on_missing_output_and_tool_error(tmp_path):
     spec["steps"] = [_fake_step(tmp_path, "s", "raise ValueError('bad shape')", [])]
     with pytest.raises(SystemExit, match="ValueError: bad shape"):
         job.run(spec)
+
+
+def _waiting_step(tmp_path, net, mine, theirs):
+    """A net's transform that marks its start, then waits (5 s at most) for the other's."""
+    code = (
+        "import pathlib, sys, time\n"
+        f"pathlib.Path({str(mine)!r}).write_text('x')\n"
+        "end = time.monotonic() + 5\n"
+        f"while not pathlib.Path({str(theirs)!r}).exists():\n"
+        "    if time.monotonic() > end: sys.exit('the other net never ran beside this one')\n"
+        "    time.sleep(0.05)\n"
+    )
+    return _fake_step(tmp_path, f"{net}:model_transform", code, [], graph=net)
+
+
+def _side_by_side_spec(tmp_path, steps) -> dict:
+    return {
+        "work_dir": str(tmp_path),
+        "result": str(tmp_path / "r.json"),
+        "check_frontend": False,
+        "parallel_nets": 2,
+        "steps": steps,
+    }
+
+
+def _writing_step(tmp_path, name, path, text, graph):
+    code = f"import pathlib; pathlib.Path({str(path)!r}).write_text({text!r})"
+    return _fake_step(tmp_path, name, code, [path], graph=graph)
+
+
+def test_job_runs_the_nets_side_by_side_then_combines(tmp_path, capsys):
+    marks = {net: tmp_path / f"{net}.started" for net in ("decode", "prefill")}
+    outs = {net: tmp_path / f"{net}.bmodel" for net in ("decode", "prefill")}
+    combined = tmp_path / "combined.bmodel"
+    inputs = list(map(str, outs.values()))
+    combine = (
+        f"import pathlib; ins = [pathlib.Path(p).read_text() for p in {inputs!r}]; "
+        f"pathlib.Path({str(combined)!r}).write_text('+'.join(ins))"
+    )
+    spec = _side_by_side_spec(
+        tmp_path,
+        [
+            _waiting_step(tmp_path, "decode", marks["decode"], marks["prefill"]),
+            _writing_step(tmp_path, "decode:model_deploy", outs["decode"], "d", "decode"),
+            _waiting_step(tmp_path, "prefill", marks["prefill"], marks["decode"]),
+            _writing_step(tmp_path, "prefill:model_deploy", outs["prefill"], "p", "prefill"),
+            _fake_step(tmp_path, "model_tool:combine", combine, [combined], graph=None),
+        ],
+    )
+    result = job.run(spec)
+    # Both transforms waited for each other, so they ran at once; the record keeps the
+    # spec's order, and the combine saw both nets' outputs.
+    assert [s["name"] for s in result["steps"]] == [s["name"] for s in spec["steps"]]
+    assert all(s["passed"] for s in result["steps"])
+    assert combined.read_text() == "d+p"
+    # The step's log says which tools run at once.
+    said = capsys.readouterr().out
+    assert any(f"{a}:model_transform (beside {b}:model_transform)" in said
+               for a, b in (("decode", "prefill"), ("prefill", "decode")))  # fmt: skip
+    # One net at a time, the first transform waits in vain: the job fails on it.
+    for path in [*marks.values(), *outs.values(), combined]:
+        path.unlink()
+    with pytest.raises(SystemExit, match="the other net never ran beside this one"):
+        job.run({**spec, "parallel_nets": 1})
+
+
+def test_a_failing_net_stops_the_job_before_any_later_step(tmp_path):
+    started = tmp_path / "prefill_deploy_started"
+    spec = _side_by_side_spec(tmp_path, [
+        _fake_step(tmp_path, "decode:model_transform", "raise ValueError('bad graph')", []),
+        _fake_step(tmp_path, "prefill:model_transform", "import time; time.sleep(1)", [],
+                   graph="prefill"),
+        _writing_step(tmp_path, "prefill:model_deploy", started, "", "prefill"),
+        _fake_step(tmp_path, "model_tool:combine", "raise SystemExit(5)", [], graph=None),
+    ])  # fmt: skip
+    with pytest.raises(SystemExit, match="decode:model_transform failed: ValueError: bad graph"):
+        job.run(spec)
+    # The prefill transform already running finished; nothing after it started.
+    recorded = json.loads((tmp_path / "r.json").read_text())
+    assert [s["name"] for s in recorded["steps"]] == [
+        "decode:model_transform",
+        "prefill:model_transform",
+    ]
+    assert not started.exists()
+
+
+def test_the_spec_runs_as_many_nets_at_once_as_the_step_has_cores(exports, tmp_path):
+    both_nets = [exports / "prefill", exports / "decode"]
+    one = _spec(both_nets, "bm1684x", "f16", tmp_path)
+    two = _spec(both_nets, "bm1684x", "f16", tmp_path, threads=2)
+    assert (one["parallel_nets"], two["parallel_nets"]) == (1, 2)
+    assert {k: v for k, v in one.items() if k != "parallel_nets"} == {
+        k: v for k, v in two.items() if k != "parallel_nets"
+    }
+    # Cores given to each tool's own threads count against the step's.
+    wide = _spec(both_nets, "bm1684x", "f16", tmp_path, threads=2,
+                 options=_options("bm1684x", threads=2))  # fmt: skip
+    assert (wide["parallel_nets"], wide["threads"]) == (1, 2)
 
 
 def test_tool_environment_preloads_the_system_libc():

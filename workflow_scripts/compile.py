@@ -24,6 +24,7 @@ def main(argv=None):
         out_dir=args.out_dir,
         log_path=args.log,
         weights=args.weights,
+        threads=args.threads,
     )
     backend.compile(request)
 

@@ -80,6 +80,8 @@ class CompileRequest:
     job_runner: typing.Callable | None = None
     # "trained" or "synthetic" (random) weights: chooses the floors (TRAINED_FLOORS).
     weights: str = "trained"
+    # CPU cores the step may use (Snakemake's threads); never changes the bytes.
+    threads: int = 1
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:

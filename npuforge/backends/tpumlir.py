@@ -355,6 +355,9 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
         "quantize": quantize,
         "tolerance": tolerance_arg,
         "threads": int(options.threads),
+        # Nets whose transform/calibration/deploy chains run side by side, each tool
+        # process on one thread: the cores Snakemake gave the step.
+        "parallel_nets": max(1, request.threads // max(1, int(options.threads))),
         "work_dir": str(work_dir),
         "out_dir": str(out_dir),
         "bmodel": str(final),

@@ -19,7 +19,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -134,6 +136,93 @@ def missing_frontend() -> str | None:
     return None
 
 
+def step_chains(steps: list) -> tuple[list, list]:
+    """Step indices as one chain per net (its steps in order) and the graph-less steps
+    (model_tool's combine), which run after every chain."""
+    chains: dict = {}
+    tail = []
+    for index, step in enumerate(steps):
+        if step.get("graph") is None:
+            tail.append(index)
+        else:
+            chains.setdefault(step["graph"], []).append(index)
+    return list(chains.values()), tail
+
+
+class _Steps:
+    """Runs the spec's steps, the nets' chains side by side up to ``parallel`` at once.
+
+    Each net's steps read and write only its own directory, and each tool process is
+    deterministic on its own, so running them side by side keeps every byte. After a
+    failing step no other step starts (one already running finishes, so no tool is left
+    half-killed); the first failure is the job's error.
+    """
+
+    def __init__(self, spec: dict, env: dict, logs: Path, total: int):
+        self.spec, self.env, self.logs, self.total = spec, env, logs, total
+        self.records: dict = {}
+        self.failure: str | None = None
+        self.running: set = set()
+        self.lock = threading.Lock()
+
+    def run_chain(self, indices: list) -> None:
+        for index in indices:
+            if self.failure is not None:
+                return
+            self.run_step(index, self.spec["steps"][index])
+
+    def run_step(self, index: int, step: dict) -> None:
+        # The tools write to their own logs: say which ones run, for the step's log.
+        with self.lock:
+            beside = f" (beside {', '.join(sorted(self.running))})" if self.running else ""
+            self.running.add(step["name"])
+        print(f"TPU-MLIR step {index + 1}/{self.total}: {step['name']}{beside}", flush=True)
+        Path(step["cwd"]).mkdir(parents=True, exist_ok=True)
+        log_path = self.logs / f"{index:02d}_{step['name'].replace(':', '_')}.log"
+        with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
+            log.write("$ " + " ".join(step["argv"]) + "\n")
+            log.flush()
+            started = time.monotonic()
+            proc = subprocess.run(
+                step["argv"], cwd=step["cwd"], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+            seconds = round(time.monotonic() - started, 1)
+            log.seek(0)
+            text = log.read()
+        comparisons = parse_comparisons(text)
+        missing = [p for p in step["expects"] if not os.path.exists(p)]
+        passed = proc.returncode == 0 and not missing and all(c["passed"] for c in comparisons)
+        record = {
+            "name": step["name"],
+            "graph": step["graph"],
+            "stage": step["stage"],
+            "returncode": proc.returncode,
+            "passed": passed,
+            "seconds": seconds,
+            "comparisons": comparisons,
+            "log": str(log_path),
+        }
+        why = None
+        if not passed:
+            why = _last_error(text) if proc.returncode else f"did not write {missing}"
+            if proc.returncode == 0 and not missing:
+                why = "similarity below tolerance " + str(self.spec.get("tolerance"))
+            why = f"error: TPU-MLIR step {step['name']} failed: {why} (log {log_path})"
+        with self.lock:
+            self.running.discard(step["name"])
+            self.records[index] = record
+            if why and self.failure is None:
+                self.failure = why
+
+    def run(self, parallel: int) -> list:
+        chains, tail = step_chains(self.spec["steps"])
+        with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+            for done in [pool.submit(self.run_chain, chain) for chain in chains]:
+                done.result()
+        self.run_chain(tail)
+        return [self.records[i] for i in sorted(self.records)]
+
+
 def run(spec: dict) -> dict:
     if spec.get("check_frontend", True):
         problem = missing_frontend()
@@ -145,42 +234,11 @@ def run(spec: dict) -> dict:
     env = tool_environment(int(spec.get("threads", 1)))
     result = {"versions": versions(), "steps": []}
     total = len(spec["steps"]) + bool(spec.get("verify"))
-    for index, step in enumerate(spec["steps"]):
-        # The tools write to their own logs: say which one runs, for the step's log.
-        print(f"TPU-MLIR step {index + 1}/{total}: {step['name']}", flush=True)
-        Path(step["cwd"]).mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"{index:02d}_{step['name'].replace(':', '_')}.log"
-        with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
-            log.write("$ " + " ".join(step["argv"]) + "\n")
-            log.flush()
-            started = time.monotonic()
-            proc = subprocess.run(
-                step["argv"], cwd=step["cwd"], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-            seconds = round(time.monotonic() - started, 1)
-            log.seek(0)
-            text = log.read()
-        comparisons = parse_comparisons(text)
-        missing = [p for p in step["expects"] if not os.path.exists(p)]
-        passed = proc.returncode == 0 and not missing and all(c["passed"] for c in comparisons)
-        result["steps"].append(
-            {
-                "name": step["name"],
-                "graph": step["graph"],
-                "stage": step["stage"],
-                "returncode": proc.returncode,
-                "passed": passed,
-                "seconds": seconds,
-                "comparisons": comparisons,
-                "log": str(log_path),
-            }
-        )
-        if not passed:
-            why = _last_error(text) if proc.returncode else f"did not write {missing}"
-            if proc.returncode == 0 and not missing:
-                why = "similarity below tolerance " + str(spec.get("tolerance"))
-            write_result(spec, result)
-            raise SystemExit(f"error: TPU-MLIR step {step['name']} failed: {why} (log {log_path})")
+    steps = _Steps(spec, env, logs, total)
+    result["steps"] = steps.run(int(spec.get("parallel_nets", 1)))
+    if steps.failure is not None:
+        write_result(spec, result)
+        raise SystemExit(steps.failure)
     verify = spec.get("verify")
     if verify:
         index = len(spec["steps"])
