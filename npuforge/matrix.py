@@ -276,22 +276,27 @@ def check_batch(models: dict, targets: dict, builds) -> None:
                 )
 
 
-def check_smoothquant(models: dict, targets: dict, builds) -> None:
-    """A model's ``export.smoothquant`` names precisions some target builds."""
+# Export options that map precisions to values: each such precision gets its own export.
+PER_PRECISION_EXPORT = ("smoothquant", "group_offsets")
+
+
+def check_per_precision_export(models: dict, targets: dict, builds) -> None:
+    """A model's per-precision export options name precisions some target builds."""
     known = {p for target in targets.values() for p in target["precisions"]}
     for model_id in sorted({b.model for b in builds}):
-        listed = (models[model_id].get("export") or {}).get("smoothquant") or {}
-        for precision in listed:
-            if precision not in known:
-                raise NpuforgeError(
-                    f"model {model_id}: export.smoothquant names precision '{precision}', "
-                    f"which no target builds; use one of {', '.join(sorted(known))}"
-                )
+        export = models[model_id].get("export") or {}
+        for option in PER_PRECISION_EXPORT:
+            for precision in export.get(option) or {}:
+                if precision not in known:
+                    raise NpuforgeError(
+                        f"model {model_id}: export.{option} names precision '{precision}', "
+                        f"which no target builds; use one of {', '.join(sorted(known))}"
+                    )
 
 
 def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     builds = select_builds(config, models, targets)
-    check_smoothquant(models, targets, builds)
+    check_per_precision_export(models, targets, builds)
     check_cache_fits(config, models, targets, builds)
     check_batch(models, targets, builds)
     plan = Plan(models=models, targets=targets, builds=builds)

@@ -192,3 +192,32 @@ def run_prefill_then_decode(prefill_dir, decode_dir, ids):
     for position in range(PREFILL, ids.shape[1]):
         logits.append(decode(ids[:, position : position + 1], position, state))
     return np.concatenate(logits, axis=1)
+
+
+def snap_to_q4_1(weight, group: int = 32):
+    """``weight`` ([out, in]) rounded as GGUF's Q4_1 stores it and dequantized: per group
+    of ``group`` inputs, 16 levels from the group's minimum by an fp16 step, the minimum
+    also fp16; every group then holds its lowest and highest level."""
+
+    blocks = weight.detach().float().reshape(-1, group)
+    low = blocks.amin(-1, keepdim=True).half().float()
+    step = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+    levels = ((blocks - low) / step).round().clamp(0, 15)
+    return (levels * step + low).reshape(weight.shape).to(weight.dtype)
+
+
+def make_q4_1_checkpoint(kind: str, directory, seed: int = 0, group: int = 32) -> Path:
+    """A tiny ``kind`` model whose projections lie on a Q4_1 grid, as a dequantized
+    Q4_1 GGUF's do (norms and embeddings stay as they are)."""
+    import torch
+    import transformers
+
+    source = make_checkpoint(kind, Path(directory) / "source", seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.weight"):
+                param.copy_(snap_to_q4_1(param, group))
+    directory = Path(directory) / "q4_1"
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory

@@ -11,6 +11,7 @@ from llama_fixtures import (
     TINY_CONFIGS,
     OrtChain,
     make_checkpoint,
+    make_q4_1_checkpoint,
     reference_logits,
     run_prefill_then_decode,
 )
@@ -398,6 +399,55 @@ def test_smoothquant_keeps_the_logits_and_evens_the_activation_channels(checkpoi
     )
     with pytest.raises(NpuforgeError, match="alpha must lie in"):
         smoothing.smooth(model, ranges, 1.5)
+
+
+def test_group_offsets_keep_the_logits_and_start_each_group_at_zero(tmp_path):
+    """Each projection's per-group minima move into a side matmul: the graphs still
+    match transformers, every group of the main weight starts at exactly 0, and the
+    export counts the projections that lay on a 4-bit grid (all of a Q4_1 checkpoint's,
+    none of a random one's)."""
+    import onnx
+    from onnx import numpy_helper
+
+    checkpoint, vocab = make_q4_1_checkpoint("smollm2", tmp_path / "ckpt"), 72
+    common = dict(dtype="fp32", chunks=1, batch=1, cache_len=CACHE_LEN, fp16_fixes=True)
+    offsets = {"group": 32}
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=PREFILL, group_offsets=offsets,
+        **common,
+    )  # fmt: skip
+    llama_export.export_llama(
+        checkpoint, tmp_path / "d", variant="decode", tokens=1, group_offsets=offsets, **common
+    )
+    # 3 layers x 7 projections, all on the grid.
+    assert prefill["group_offsets"] == {"group": 32, "matmuls": 21, "on_4bit_grid": 21}
+    assert prefill["options"]["group_offsets"] == 32
+    ids = np.random.default_rng(5).integers(0, vocab, (1, PREFILL + DECODE_STEPS))
+    got = run_prefill_then_decode(tmp_path / "p", tmp_path / "d", ids)
+    want = reference_logits(checkpoint, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+    graph = onnx.load(str(tmp_path / "p" / "chunk0.onnx")).graph
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    down = weights["layers.1.mlp.down_proj.weight_t"]  # [in 64, out 32]
+    groups = down.T.reshape(32, 2, 32)
+    assert np.all(groups.min(-1) == 0) and groups.max() > 0
+    side = weights["layers.1.mlp.down_proj.group_offsets.weight_t"]  # [in 64 / 32, out 32]
+    assert side.shape == (2, 32) and np.abs(side).max() > 0
+    sides = [n.name for n in graph.node if n.name.endswith("/group_offsets/MatMul")]
+    assert len(sides) == 21
+
+    random = llama_export.export_llama(
+        make_checkpoint("smollm2", tmp_path / "random"), tmp_path / "r", variant="decode",
+        tokens=1, group_offsets=offsets, **common,
+    )  # fmt: skip
+    assert random["group_offsets"]["on_4bit_grid"] == 0
+    with pytest.raises(NpuforgeError, match="not a multiple of the group 48") as err:
+        llama_export.export_llama(
+            checkpoint, tmp_path / "x", variant="decode", tokens=1, group_offsets={"group": 48},
+            **common,
+        )  # fmt: skip
+    assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
 
 
 def test_smoothquant_export_matches_transformers_and_records_its_text(checkpoints, tmp_path):

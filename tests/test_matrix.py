@@ -402,15 +402,35 @@ def test_smoothquant_gives_only_its_precision_an_export_of_its_own():
     assert export_key(plain) == keys["fp16"][0]
 
 
-def test_smoothquant_on_an_rwkv_model_is_refused_in_one_line():
-    model = dict(MODELS["rwkv7-demo"], export={"smoothquant": {"w8a8": 0.5}})
-    with pytest.raises(NpuforgeError, match="smoothquant is a llama export option") as err:
+@pytest.mark.parametrize(
+    "option, value", [("smoothquant", {"w8a8": 0.5}), ("group_offsets", {"w4f16": 32})]
+)
+def test_a_llama_export_option_on_an_rwkv_model_is_refused_in_one_line(option, value):
+    model = dict(MODELS["rwkv7-demo"], export={option: value})
+    with pytest.raises(NpuforgeError, match=f"{option} is a llama export option") as err:
         export_variants(model, TARGETS["RK3588"], "w8a8")
     assert "\n" not in str(err.value)
 
 
-def test_smoothquant_for_a_precision_no_target_builds_is_refused():
-    smollm2 = dict(MODELS["smollm2-135m"], export={"smoothquant": {"w8a9": 0.5}})
+@pytest.mark.parametrize("option, value", [("smoothquant", 0.5), ("group_offsets", 32)])
+def test_a_per_precision_export_option_for_a_precision_no_target_builds_is_refused(option, value):
+    smollm2 = dict(MODELS["smollm2-135m"], export={option: {"w8a9": value}})
     models = dict(MODELS, **{"smollm2-135m": smollm2})
-    with pytest.raises(NpuforgeError, match="names precision 'w8a9', which no target builds"):
+    with pytest.raises(
+        NpuforgeError, match=f"export.{option} names precision 'w8a9', which no target builds"
+    ):
         make_plan(selection(model="smollm2-135m", target="RK3588"), models, TARGETS)
+
+
+def test_group_offsets_give_only_their_precision_an_export_of_its_own():
+    smollm2 = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "precisions"}
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    plan = make_plan(
+        selection(model="smollm2-135m", target="BM1688", precision="f16,w4f16"), models, TARGETS
+    )
+    plain = plan.export_keys("smollm2-135m", "BM1688", "f16")
+    split = plan.export_keys("smollm2-135m", "BM1688", "w4f16")
+    assert len(split) == len(plain) == 2 and not set(split) & set(plain)
+    for key in split:
+        assert plan.export_options("smollm2-135m", key)["group_offsets"] == {"group": 32}
+    assert not any("group_offsets" in plan.export_options("smollm2-135m", k) for k in plain)

@@ -25,6 +25,7 @@ from npuforge import backends
 from npuforge.backends import base
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.backends.tpumlir_commands import (
+    DEFAULT_Q_GROUP_SIZE,
     calibration_command,
     combine_command,
     deploy_command,
@@ -40,12 +41,16 @@ from npuforge.backends.tpumlir_inputs import (
     real_test_feeds,
     state_path_ops,
     test_schedule,
+    weight_matmuls_named,
 )
 from npuforge.errors import NpuforgeError
 
 NAME = "tpumlir"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
 # Config precision -> model_deploy.py --quantize.
+# Node names of a group-offsets export's side matmuls contain this
+# (npuforge.models.llama.group_offsets.SIDE_NAME; that module imports torch).
+GROUP_OFFSETS_NODE = "group_offsets"
 QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "int8": "INT8"}
 PRECISIONS = tuple(QUANTIZE)
 CALIBRATED = frozenset({"int8"})
@@ -89,8 +94,12 @@ class Options(base.CommonOptions):
     processor: str
     # model_deploy's "cos,euclid" floors: one string, or precision -> string.
     tolerance: str | dict | None = None
-    # W4F16 weight group size (model_deploy --q_group_size).
-    q_group_size: int = 64
+    # W4F16 weight group size (model_deploy --q_group_size); None: the export's
+    # group_offsets group if it has one, else TPU-MLIR's 64.
+    q_group_size: int | None = None
+    # W4F16 builds keep the weight matmuls whose node name contains one of these in F16
+    # (model_deploy --quantize_table): say, a tied lm_head that is the embedding table.
+    w4f16_f16_named: list | None = None
     # The CPython 3.10 to build the native venv from and to copy into the image
     # (default: $PYTHON310, then python3.10 on PATH, then pyenv's).
     python: str | None = None
@@ -144,6 +153,29 @@ def int8_modes(options: Options, onnx_path, inputs: list[dict]) -> dict:
     if options.int8_state_path:
         modes.update(dict.fromkeys(state_path_ops(onnx_path, inputs), options.int8_state_path))
     return modes
+
+
+def w4f16_group(options: Options, export) -> int:
+    """The W4F16 weight group: an export with group offsets was split for its own group."""
+    split = (export.meta.get("group_offsets") or {}).get("group")
+    if split is None:
+        return int(options.q_group_size or DEFAULT_Q_GROUP_SIZE)
+    if options.q_group_size not in (None, split):
+        raise NpuforgeError(
+            f"{export.dir}: exported with group offsets for weight groups of {split}, but "
+            f"the target sets q_group_size: {options.q_group_size}; make them equal (or "
+            "remove the target's q_group_size)"
+        )
+    return int(split)
+
+
+def w4f16_modes(options: Options, onnx_path, export) -> dict:
+    """TPU-MLIR op name -> mode for the weight matmuls a W4F16 build keeps in F16: the
+    group offsets' side matmuls (their inputs are the group count wide) and the named."""
+    named = list(options.w4f16_f16_named or ())
+    if export.meta.get("group_offsets"):
+        named.append(GROUP_OFFSETS_NODE)
+    return dict.fromkeys(weight_matmuls_named(onnx_path, named), "F16") if named else {}
 
 
 def check_target(target_id: str, options: Options, precisions) -> None:
@@ -285,12 +317,12 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                 }
             )
         qtable = None
-        # Only INT8 builds take a quantize table: other precisions never read the graph.
-        modes = (
-            int8_modes(options, onnx_path, export.graphs[0]["inputs"])
-            if precision == "int8"
-            else {}
-        )
+        # Only INT8 and W4F16 builds take a quantize table: others never read the graph.
+        modes = {}
+        if precision == "int8":
+            modes = int8_modes(options, onnx_path, export.graphs[0]["inputs"])
+        elif precision == "w4f16":
+            modes = w4f16_modes(options, onnx_path, export)
         if modes:
             qtable = gdir / f"{variant}_qtable"
             lines = "".join(f"{name} {mode}\n" for name, mode in sorted(modes.items()))
@@ -310,7 +342,7 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                     tolerance_arg,
                     bmodel,
                     calibration_table=table,
-                    q_group_size=options.q_group_size,
+                    q_group_size=w4f16_group(options, export) if precision == "w4f16" else None,
                     quantize_table=qtable,
                 ),
                 "expects": [str(bmodel)],

@@ -144,22 +144,42 @@ def state_path_ops(onnx_path, inputs: list[dict]) -> list[str]:
     return sorted(f"{name}_{producer[name].op_type}" for name in on_path)
 
 
-def ops_but_weight_matmuls(onnx_path, also_named=()) -> list[str]:
-    """TPU-MLIR names ("<output>_<op type>") of every op except the matmuls with a weight
-    operand (MatMul/Gemm reading an initializer), and of those whose node name contains
-    one of ``also_named``: the ops an INT8 build with only its weight matmuls in INT8
-    keeps in another mode."""
+def _weight_matmuls(onnx_path):
+    """(node, is a matmul with a weight operand) for every non-Constant node."""
     import onnx
 
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     constants = {init.name for init in graph.initializer}
     constants |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
-    names = []
     for node in graph.node:
         if node.op_type == "Constant":
             continue
         weighted = node.op_type in ("MatMul", "Gemm") and any(i in constants for i in node.input)
+        yield node, weighted
+
+
+def _tpumlir_names(node) -> list[str]:
+    return [f"{out}_{node.op_type}" for out in node.output]
+
+
+def ops_but_weight_matmuls(onnx_path, also_named=()) -> list[str]:
+    """TPU-MLIR names ("<output>_<op type>") of every op except the matmuls with a weight
+    operand (MatMul/Gemm reading an initializer), and of those whose node name contains
+    one of ``also_named``: the ops an INT8 build with only its weight matmuls in INT8
+    keeps in another mode."""
+    names = []
+    for node, weighted in _weight_matmuls(onnx_path):
         if weighted and not any(part in node.name for part in also_named):
             continue
-        names.extend(f"{out}_{node.op_type}" for out in node.output)
+        names.extend(_tpumlir_names(node))
+    return sorted(names)
+
+
+def weight_matmuls_named(onnx_path, named) -> list[str]:
+    """TPU-MLIR names of the matmuls with a weight operand whose node name contains one
+    of ``named``."""
+    names = []
+    for node, weighted in _weight_matmuls(onnx_path):
+        if weighted and any(part in node.name for part in named):
+            names.extend(_tpumlir_names(node))
     return sorted(names)

@@ -14,7 +14,15 @@ from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
-EXPORT_OPTIONS = ("cache_len", "sha", "mask_value", "fp16_fixes", "kv_prefix", "smoothquant")
+EXPORT_OPTIONS = (
+    "cache_len",
+    "sha",
+    "mask_value",
+    "fp16_fixes",
+    "kv_prefix",
+    "smoothquant",
+    "group_offsets",
+)
 
 
 def export_options(model: dict, export: dict, precision: str | None = None) -> dict:
@@ -23,7 +31,8 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
 
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
-    ``smoothquant: {precision: alpha}`` gives that precision an export of its own.
+    ``smoothquant: {precision: alpha}`` and ``group_offsets: {precision: group}`` give
+    that precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -36,6 +45,9 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     alpha = (export.get("smoothquant") or {}).get(precision)
     if alpha is not None:
         options["smoothquant"] = {"alpha": float(alpha)}
+    group = (export.get("group_offsets") or {}).get(precision)
+    if group is not None:
+        options["group_offsets"] = {"group": int(group)}
     return options
 
 

@@ -296,7 +296,7 @@ def _canonicalize_names(proto):
     for node in graph.node:
         if node.name.startswith("/model/"):
             node.name = node.name[len("/model") :]
-        if node.op_type == "MatMul" and node.name.endswith("_proj/MatMul"):
+        if node.op_type == "MatMul" and node.name.endswith(("_proj/MatMul", "offsets/MatMul")):
             weight = node.input[1]
             if weight.startswith("onnx::"):
                 module = node.name.strip("/").removesuffix("/MatMul").replace("/", ".")
@@ -327,6 +327,7 @@ def export_llama(
     fp16_fixes: bool = False,
     kv_prefix: tuple = (),
     smoothquant: dict | None = None,
+    group_offsets: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -343,6 +344,8 @@ def export_llama(
     here in fp32 and shipped as the graphs' starting state (``write_kv_prefix``).
     smoothquant: {"alpha": a, "text": calibration text path ("" for the project's)}:
     SmoothQuant scales folded into the weights (``npuforge.models.llama.smoothing``).
+    group_offsets: {"group": g}: each decoder matmul's per-group weight minima moved into
+    a side matmul (``npuforge.models.llama.group_offsets``), for 4-bit group quantizers.
     """
     import torch
 
@@ -371,14 +374,19 @@ def export_llama(
             f"kv_prefix {kv_prefix} must be fewer than cache_len ({cache_len}) token ids below "
             f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
         )
-    # Smoothing needs fp32 activations: the model is cast after it.
-    load_dtype = torch.float32 if smoothquant else torch_dtype
+    # Smoothing needs fp32 activations, the offsets fp32 weights: the model is cast after.
+    load_dtype = torch.float32 if smoothquant or group_offsets else torch_dtype
     state_dict = load_state_dict(checkpoint_dir, load_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes)
     del state_dict
     smoothed = None
     if smoothquant:
         smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+    offsets = None
+    if group_offsets:
+        from npuforge.models.llama.group_offsets import split_group_offsets
+
+        offsets = split_group_offsets(model, int(group_offsets["group"]))
     model = model.to(torch_dtype)
     ranges = split_layers(cfg.num_layers, chunks)
 
@@ -453,5 +461,8 @@ def export_llama(
         if smoothed:
             meta["smoothquant"] = smoothed
             meta["options"]["smoothquant"] = smoothed["alpha"]
+        if offsets:
+            meta["group_offsets"] = offsets
+            meta["options"]["group_offsets"] = offsets["group"]
         write_json(tmp / "export.json", meta)
     return meta
