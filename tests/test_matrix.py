@@ -239,11 +239,12 @@ def test_smollm2_is_built_in_the_precisions_that_pass_its_gate():
 
     assert pick("SM8650", "all") == ["fp16", "a16w8"]
     assert pick("RK3588", "all") == ["fp16", "w16a16i_dfp"]
-    assert pick("BM1688", "all") == pick("BM1684X", "all") == ["f16", "w8f16"]
+    assert pick("BM1688", "all") == ["f16", "w8f16", "w4f16"]
+    assert pick("BM1684X", "all") == ["f16", "w8f16"]
     refused = [
         ("SM8650", "a16w4"),
         ("RK3588", "w8a8"),
-        ("BM1688", "w4f16"),
+        ("BM1684X", "w4f16"),
         ("BM1684X", "int8"),
         ("BM1688", "bf16"),
     ]
@@ -434,3 +435,16 @@ def test_group_offsets_give_only_their_precision_an_export_of_its_own():
     for key in split:
         assert plan.export_options("smollm2-135m", key)["group_offsets"] == {"group": 32}
     assert not any("group_offsets" in plan.export_options("smollm2-135m", k) for k in plain)
+
+
+def test_group_offsets_for_a_precision_built_with_the_sha_pass_is_refused():
+    smollm2 = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "precisions"}
+    smollm2["export"] = dict(smollm2["export"], group_offsets={"a16w4": 32})
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    with pytest.raises(NpuforgeError, match="names a16w4, which a target builds with") as err:
+        make_plan(
+            selection(model="smollm2-135m", target="SM8650", precision="a16w4"), models, TARGETS
+        )
+    assert "\n" not in str(err.value)
+    # Its other precisions plan as before.
+    make_plan(selection(model="smollm2-135m", target="SM8650", precision="fp16"), models, TARGETS)

@@ -442,7 +442,7 @@ def test_w4f16_of_a_group_offsets_export_takes_its_group_and_keeps_the_side_matm
     assert options.w4f16_f16_named == ["lm_head"]  # the registry's
     spec = _spec([q4_1_llama / "split"], "bm1688", "w4f16", tmp_path, options=options)
     flags = _deploy_flags(spec)
-    assert flags["--q_group_size"] == "32"
+    assert flags["--q_group_size"] == "32" and spec["q_group_size"] == 32
     table = dict(line.split() for line in Path(flags["--quantize_table"]).read_text().splitlines())
     graph = onnx.load(str(q4_1_llama / "split" / "chunk0.onnx")).graph
     kept = [n for n in graph.node if n.name.endswith(("/group_offsets/MatMul", "/lm_head/MatMul"))]

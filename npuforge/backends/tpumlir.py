@@ -271,6 +271,8 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
     if precision in CALIBRATED and not calibration:
         raise NpuforgeError(f"precision {precision} needs calibration samples: pass --calibration")
 
+    # W4F16's weight group (the nets' exports share their options).
+    group = w4f16_group(options, next(iter(exports.values()))) if precision == "w4f16" else None
     steps, graphs, bmodels = [], [], []
     for variant, export in exports.items():
         onnx_path = (export.dir / export.graphs[0]["file"]).resolve()
@@ -342,7 +344,7 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                     tolerance_arg,
                     bmodel,
                     calibration_table=table,
-                    q_group_size=w4f16_group(options, export) if precision == "w4f16" else None,
+                    q_group_size=group,
                     quantize_table=qtable,
                 ),
                 "expects": [str(bmodel)],
@@ -385,6 +387,7 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
         "precision": precision,
         "processor": chip,
         "quantize": quantize,
+        "q_group_size": group,
         "tolerance": tolerance_arg,
         "threads": int(options.threads),
         # Nets whose transform/calibration/deploy chains run side by side, each tool
@@ -459,6 +462,8 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
         "options": {
             **backends.options_dict(options),
             "quantize": spec["quantize"],
+            # The group W4F16 ran with (the option may leave it to the export).
+            "q_group_size": spec.get("q_group_size"),
             "stages": [step["name"] for step in spec["steps"]],
         },
     }

@@ -10,6 +10,7 @@ synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
 ``export`` (graphs, host inputs, export.json).
 """
 
+from npuforge.errors import NpuforgeError
 from npuforge.models.llama.config import MASK_VALUE
 
 NAME = "llama"
@@ -47,6 +48,12 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
         options["smoothquant"] = {"alpha": float(alpha)}
     group = (export.get("group_offsets") or {}).get(precision)
     if group is not None:
+        if options["sha"]:
+            raise NpuforgeError(
+                f"export.group_offsets names {precision}, which a target builds with the "
+                "MHA->SHA pass (sha: true), and that pass cannot split q/k/v's side matmuls "
+                f"per head: remove {precision} from the model's group_offsets"
+            )
         options["group_offsets"] = {"group": int(group)}
     return options
 
