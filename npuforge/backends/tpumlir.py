@@ -47,10 +47,10 @@ from npuforge.errors import NpuforgeError
 
 NAME = "tpumlir"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
-# Config precision -> model_deploy.py --quantize.
 # Node names of a group-offsets export's side matmuls contain this
 # (npuforge.models.llama.group_offsets.SIDE_NAME; that module imports torch).
 GROUP_OFFSETS_NODE = "group_offsets"
+# Config precision -> model_deploy.py --quantize.
 QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "int8": "INT8"}
 PRECISIONS = tuple(QUANTIZE)
 CALIBRATED = frozenset({"int8"})
