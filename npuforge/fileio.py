@@ -37,15 +37,23 @@ def remove_orphans(path) -> None:
     power loss skip the cleanup below). Each carries its writer's pid; a live writer's
     temporary is left alone."""
     path = Path(path)
-    for orphan in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = orphan.name[len(path.name) + 2 :].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        if orphan.is_dir() and not orphan.is_symlink():
-            shutil.rmtree(orphan, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                orphan.unlink()
+    # "..name.*.tmp": a temporary of a temporary (a writer that itself writes atomically,
+    # killed before its inner rename).
+    for lead in (".", ".."):
+        for orphan in path.parent.glob(f"{lead}{glob.escape(path.name)}.*.tmp"):
+            _remove_orphan(orphan, orphan.name[len(lead) + len(path.name) + 1 :])
+
+
+def _remove_orphan(orphan: Path, rest: str) -> None:
+    """Remove ``orphan`` unless the writer whose pid starts ``rest`` is alive."""
+    pid = rest.split(".", 1)[0]
+    if not pid.isdigit() or _alive(int(pid)):
+        return
+    if orphan.is_dir() and not orphan.is_symlink():
+        shutil.rmtree(orphan, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            orphan.unlink()
 
 
 def _alive(pid: int) -> bool:

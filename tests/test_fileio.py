@@ -32,6 +32,24 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
     assert [p.name for p in tmp_path.glob(".release.*.tmp")] == [live.name]
 
 
+def test_a_killed_nested_writers_temporary_is_removed_too(tmp_path):
+    """A writer that writes its own temporary atomically, killed before the inner rename,
+    leaves "..name.<pid>.*.tmp.<pid>.*.tmp" (seen once in CI's killed-fetch trial)."""
+    out = tmp_path / "checkpoint.pth"
+    code = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); from npuforge.fileio import atomic_path\n"
+        "with atomic_path(sys.argv[2]) as outer:\n"
+        "    with atomic_path(outer) as inner:\n"
+        "        inner.write_bytes(b'half'); os._exit(9)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code, repo, str(out)])
+    assert len(list(tmp_path.glob("..checkpoint.pth.*.tmp"))) == 1
+    with atomic_path(out) as tmp:
+        tmp.write_bytes(b"whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pth"]
+
+
 def test_os_refusals_become_one_line_errors(capsys):
     def disk_full(argv):
         raise OSError(errno.ENOSPC, "No space left on device", "/results/export/chunk0.onnx")
