@@ -47,8 +47,8 @@ from npuforge.errors import NpuforgeError
 
 NAME = "tpumlir"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
-# Node names of a group-offsets export's side matmuls contain this
-# (npuforge.models.llama.group_offsets.SIDE_NAME; that module imports torch).
+# Node names of a group-offsets export's side matmuls contain this (the attribute of
+# npuforge.models.llama.group_offsets.GroupOffsetLinear; that module imports torch).
 GROUP_OFFSETS_NODE = "group_offsets"
 # Config precision -> model_deploy.py --quantize.
 QUANTIZE = {"f16": "F16", "bf16": "BF16", "w8f16": "W8F16", "w4f16": "W4F16", "int8": "INT8"}
@@ -175,7 +175,7 @@ def w4f16_modes(options: Options, onnx_path, export) -> dict:
     named = list(options.w4f16_f16_named or ())
     if export.meta.get("group_offsets"):
         named.append(GROUP_OFFSETS_NODE)
-    return dict.fromkeys(weight_matmuls_named(onnx_path, named), "F16") if named else {}
+    return dict.fromkeys(weight_matmuls_named(onnx_path, named), "F16")
 
 
 def check_target(target_id: str, options: Options, precisions) -> None:
@@ -463,7 +463,7 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
             **backends.options_dict(options),
             "quantize": spec["quantize"],
             # The group W4F16 ran with (the option may leave it to the export).
-            "q_group_size": spec.get("q_group_size"),
+            "q_group_size": spec["q_group_size"],
             "stages": [step["name"] for step in spec["steps"]],
         },
     }

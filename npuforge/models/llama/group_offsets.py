@@ -21,9 +21,6 @@ from npuforge.errors import NpuforgeError
 
 # The decoder's weight matmuls (the tied lm_head is the embedding table, left alone).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Node names of the side matmuls contain this (a backend keeps them in 16-bit: their
-# inputs are the group count wide, not a multiple of a weight group).
-SIDE_NAME = "group_offsets"
 GRID_LEVELS = 16
 # |(w - min) / step - round(...)| below this counts as on the grid (fp32 dequantization
 # rounds the grid points by a few ulps).
@@ -41,12 +38,14 @@ class GroupOffsetLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter((blocks - minimum[..., None]).reshape(out_features, -1))
         self.bias = linear.bias
-        setattr(self, SIDE_NAME, nn.Linear(in_features // group, out_features, bias=False))
-        getattr(self, SIDE_NAME).weight = nn.Parameter(minimum * group)
+        # Its ONNX node is ".../<projection>/group_offsets/MatMul": a backend keeps it in
+        # 16 bit (its inputs are the group count wide, not a multiple of a weight group).
+        self.group_offsets = nn.Linear(in_features // group, out_features, bias=False)
+        self.group_offsets.weight = nn.Parameter(minimum * group)
 
     def forward(self, x):
         means = x.unflatten(-1, (-1, self.group)).mean(-1)
-        return nn.functional.linear(x, self.weight, self.bias) + getattr(self, SIDE_NAME)(means)
+        return nn.functional.linear(x, self.weight, self.bias) + self.group_offsets(means)
 
 
 def on_grid(weight: torch.Tensor, group: int, levels: int = GRID_LEVELS) -> bool:
