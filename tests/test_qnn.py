@@ -844,6 +844,101 @@ def test_weights_16bit_patterns_give_the_named_matrices_int16(qnn_stamp, workspa
     assert by_matrix["wk1"] == by_matrix["head"] == onnx.TensorProto.INT8
 
 
+CONV_KERNEL_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import onnx, qnn_job
+from onnx import numpy_helper
+args = json.loads(sys.argv[2])
+record = qnn_job.quantize_graph(**args)
+model = onnx.load(args["target"])
+values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+(dq,) = [n for n in model.graph.node if n.input and n.input[0] == "kernel_quantized"]
+found = {
+    "record": record["weights_16bit"],
+    "type": int(next(i.data_type for i in model.graph.initializer if i.name == dq.input[0])),
+    "axis": next(a.i for a in dq.attribute if a.name == "axis"),
+    "scales": int(values[dq.input[1]].size),
+}
+ort, devices, htp = qnn_job.register_qnn()
+options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
+context = args["target"].replace("qdq.onnx", "ctx.onnx")
+qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
+htp_run = qnn_job.simulator_session(ort, devices, options, context)
+fp32 = qnn_job.cpu_session(ort, args["source"])
+feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
+a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
+found["cosine"] = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+print(json.dumps(found))
+"""
+
+
+def _conv_graph(path):
+    """x [1, 64, 2, 2] through a 1x1 Conv with 16 output channels, each row of its
+    kernel on a scale of its own (what a per-output-channel quantizer must see)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(0, 1, (16, 64, 1, 1)) * rng.uniform(0.01, 0.2, (16, 1, 1, 1))
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "kernel"], ["y"], name="conv")],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 2, 2])],
+        [numpy_helper.from_array(kernel.astype(np.float32), "kernel")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    samples = []
+    for i in range(4):
+        sample = path.parent / f"sample{i}.npz"
+        np.savez(sample, x=rng.standard_normal((1, 64, 2, 2)).astype(np.float32))
+        samples.append({"x": str(sample)})
+    return samples
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("weights_16bit", [[], ["^kernel$"]])
+def test_a_conv_kernel_is_quantized_per_output_channel_and_runs_on_the_htp(
+    qnn_stamp, tmp_path, weights_16bit
+):
+    """A Conv kernel's output channels are its axis 0 (a MatMul weight's are axis 1):
+    a16w4 quantizes it per output channel, int4 or (named by weights_16bit) int16, and
+    the HTP takes the Conv. Per input channel, as every weight was before, the QNN EP
+    refused the Conv and the context could not be generated."""
+    import onnx
+
+    python = json.loads(qnn_stamp.read_text())["python"]
+    samples = _conv_graph(tmp_path / "f32.onnx")
+    args = {
+        "source": str(tmp_path / "f32.onnx"),
+        "target": str(tmp_path / "qdq.onnx"),
+        "precision": "a16w4",
+        "samples": samples,
+        "inputs": [{"name": "x", "shape": [1, 64, 2, 2], "dtype": "float32"}],
+        "keep_16bit_tensors": [],
+        "weights_16bit": weights_16bit,
+    }
+    run = subprocess.run(
+        [python, "-c", CONV_KERNEL_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["axis"] == 0 and found["scales"] == 16
+    assert found["record"]["of_parameters"] == 16 * 64
+    if weights_16bit:
+        assert found["type"] == onnx.TensorProto.INT16 and found["record"]["tensors"] == ["kernel"]
+        assert found["cosine"] >= 0.9999
+    else:
+        assert found["type"] == onnx.TensorProto.INT4 and found["record"]["tensors"] == []
+        assert found["cosine"] >= 0.99
+
+
 def test_a_weights_16bit_pattern_that_is_no_regex_is_refused():
     options = replace(SM8650, weights_16bit=["self_attn(["])
     with pytest.raises(NpuforgeError, match="weights_16bit pattern 'self_attn\\(\\[' is not a"):

@@ -228,11 +228,13 @@ def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_overrid
         for init in model.graph.initializer
         if init.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
     }
-    matmul_weights = set()
+    matmul_weights, conv_weights = set(), set()
     norm_params = set()
     for node in model.graph.node:
         if node.op_type in MATMUL_OP_TYPES and len(node.input) > 1:
             matmul_weights.add(node.input[1])
+            if node.op_type == "Conv":
+                conv_weights.add(node.input[1])
         if node.op_type in NORM_OP_TYPES:
             norm_params.update(node.input[1:])
     overrides = {}
@@ -241,6 +243,9 @@ def sensitive_overrides(model, keep_16bit_tensors, quant_type_16, weight_overrid
     if weight_override is not None:
         for name in sorted(float_inits & matmul_weights):
             overrides[name] = [dict(weight_override)]
+            # A Conv kernel's output channels are its axis 0 (a MatMul weight's axis 1).
+            if name in conv_weights and "axis" in weight_override:
+                overrides[name][0]["axis"] = 0
     graph_tensors = {v.name for v in model.graph.input} | {v.name for v in model.graph.output}
     for node in model.graph.node:
         graph_tensors.update(node.output)
@@ -255,7 +260,11 @@ def wide_weights(model, overrides: dict, low_bits: dict, patterns: list) -> dict
     {patterns, tensors, parameters (theirs), of_parameters (all weight matrices')}."""
     import math
 
-    low = {name for name, spec in overrides.items() if spec == [low_bits]}
+    low = {
+        name
+        for name, spec in overrides.items()
+        if spec == [low_bits] or spec == [{**low_bits, "axis": 0}]
+    }
     sizes = {i.name: math.prod(i.dims) for i in model.graph.initializer if i.name in low}
     tensors = sorted(n for n in sizes if any(re.search(p, n) for p in patterns))
     return {
@@ -790,7 +799,7 @@ def quantize_graph(
     )
     wide = wide_weights(model, overrides, per_column, weights_16bit or [])
     for name in wide["tensors"]:
-        overrides[name] = [{**per_column, "quant_type": QuantType.QInt16}]
+        overrides[name] = [{**overrides[name][0], "quant_type": QuantType.QInt16}]
     covered, measured = {}, None
     if range_margin or cover_stream:
         measured = _measured_ranges(model_path, samples, inputs, work)
