@@ -450,6 +450,46 @@ def test_group_offsets_keep_the_logits_and_start_each_group_at_zero(tmp_path):
     assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
 
 
+def test_block_centres_keep_the_logits_and_centre_each_mlp_group_on_a_signed_4bit_grid(
+    tmp_path,
+):
+    """Each MLP projection's per-group centres move into a side matmul: the graphs still
+    match transformers, every group of a Q4_1 checkpoint's main weight spans exactly
+    -8..7 steps of (max - min) / 15 (a signed 4-bit grid with zero point 0), and the
+    attention projections (which the MHA->SHA pass splits per head) are left whole."""
+    import onnx
+    from onnx import numpy_helper
+
+    checkpoint, vocab = make_q4_1_checkpoint("smollm2", tmp_path / "ckpt"), 72
+    common = dict(dtype="fp32", chunks=1, batch=1, cache_len=CACHE_LEN, fp16_fixes=True)
+    centres = {"group": 32}
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=PREFILL, block_centres=centres,
+        **common,
+    )  # fmt: skip
+    llama_export.export_llama(
+        checkpoint, tmp_path / "d", variant="decode", tokens=1, block_centres=centres, **common
+    )
+    # 3 layers x 3 MLP projections, all on the grid.
+    assert prefill["block_centres"] == {"group": 32, "matmuls": 9, "on_4bit_grid": 9}
+    assert prefill["options"]["block_centres"] == 32 and "group_offsets" not in prefill
+    ids = np.random.default_rng(6).integers(0, vocab, (1, PREFILL + DECODE_STEPS))
+    got = run_prefill_then_decode(tmp_path / "p", tmp_path / "d", ids)
+    want = reference_logits(checkpoint, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+    graph = onnx.load(str(tmp_path / "p" / "chunk0.onnx")).graph
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    groups = weights["layers.1.mlp.down_proj.weight_t"].T.reshape(32, 2, 32)
+    step = (groups.max(-1) - groups.min(-1)) / 15
+    steps = groups / step[..., None]
+    assert np.abs(steps - np.round(steps)).max() < 1e-3
+    assert (np.round(steps).min(-1) == -8).all() and (np.round(steps).max(-1) == 7).all()
+    sides = [n.name for n in graph.node if n.name.endswith("/group_offsets/MatMul")]
+    assert len(sides) == 9 and all("/mlp/" in name for name in sides)
+    assert "layers.1.self_attn.q_proj.weight_t" in weights
+
+
 def test_smoothquant_export_matches_transformers_and_records_its_text(checkpoints, tmp_path):
     checkpoint, vocab = checkpoints["qwen2"], TINY_CONFIGS["qwen2"]["vocab_size"]
     common = dict(dtype="fp32", chunks=2, batch=1, cache_len=CACHE_LEN, fp16_fixes=True)

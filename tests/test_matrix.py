@@ -402,7 +402,12 @@ def test_smoothquant_gives_only_its_precision_an_export_of_its_own():
 
 
 @pytest.mark.parametrize(
-    "option, value", [("smoothquant", {"w8a8": 0.5}), ("group_offsets", {"w4f16": 32})]
+    "option, value",
+    [
+        ("smoothquant", {"w8a8": 0.5}),
+        ("group_offsets", {"w4f16": 32}),
+        ("block_centres", {"a16w4": 32}),
+    ],
 )
 def test_a_llama_export_option_on_an_rwkv_model_is_refused_in_one_line(option, value):
     model = dict(MODELS["rwkv7-demo"], export={option: value})
@@ -411,7 +416,9 @@ def test_a_llama_export_option_on_an_rwkv_model_is_refused_in_one_line(option, v
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("option, value", [("smoothquant", 0.5), ("group_offsets", 32)])
+@pytest.mark.parametrize(
+    "option, value", [("smoothquant", 0.5), ("group_offsets", 32), ("block_centres", 32)]
+)
 def test_a_per_precision_export_option_for_a_precision_no_target_builds_is_refused(option, value):
     smollm2 = dict(MODELS["smollm2-135m"], export={option: {"w8a9": value}})
     models = dict(MODELS, **{"smollm2-135m": smollm2})
@@ -437,7 +444,7 @@ def test_group_offsets_give_only_their_precision_an_export_of_its_own():
 
 def test_group_offsets_for_a_precision_built_with_the_sha_pass_is_refused():
     smollm2 = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "precisions"}
-    smollm2["export"] = dict(smollm2["export"], group_offsets={"a16w4": 32})
+    smollm2["export"] = dict(smollm2["export"], group_offsets={"a16w4": 32}, block_centres={})
     models = dict(MODELS, **{"smollm2-135m": smollm2})
     with pytest.raises(NpuforgeError, match="names a16w4, which a target builds with") as err:
         make_plan(
@@ -446,3 +453,29 @@ def test_group_offsets_for_a_precision_built_with_the_sha_pass_is_refused():
     assert "\n" not in str(err.value)
     # Its other precisions plan as before.
     make_plan(selection(model="smollm2-135m", target="SM8650", precision="fp16"), models, TARGETS)
+
+
+def test_block_centres_give_sm8650_a16w4_its_own_export_through_the_sha_pass():
+    """Block centres split only the MLP, which the MHA->SHA pass leaves alone: SM8650's
+    a16w4 (sha: true) gets an export of its own; a16w8 keeps the plain one. Naming one
+    precision in both group splits is refused in one line."""
+    smollm2 = {k: v for k, v in MODELS["smollm2-135m"].items() if k != "precisions"}
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    plan = make_plan(
+        selection(model="smollm2-135m", target="SM8650", precision="a16w8,a16w4"), models, TARGETS
+    )
+    plain = plan.export_keys("smollm2-135m", "SM8650", "a16w8")
+    centred = plan.export_keys("smollm2-135m", "SM8650", "a16w4")
+    assert not set(centred) & set(plain)
+    for key in centred:
+        options = plan.export_options("smollm2-135m", key)
+        assert options["block_centres"] == {"group": 32} and options["sha"]
+    assert not any("block_centres" in plan.export_options("smollm2-135m", k) for k in plain)
+
+    smollm2["export"] = dict(smollm2["export"], group_offsets={"w4f16": 32, "a16w4": 32})
+    models = dict(MODELS, **{"smollm2-135m": smollm2})
+    with pytest.raises(NpuforgeError, match="both name a16w4") as err:
+        make_plan(
+            selection(model="smollm2-135m", target="SM8650", precision="a16w4"), models, TARGETS
+        )
+    assert "\n" not in str(err.value)

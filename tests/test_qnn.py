@@ -939,6 +939,131 @@ def test_a_conv_kernel_is_quantized_per_output_channel_and_runs_on_the_htp(
         assert found["cosine"] >= 0.99
 
 
+BLOCKS_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import onnx, qnn_job
+from onnx import numpy_helper
+args = json.loads(sys.argv[2])
+record = qnn_job.quantize_graph(**args)
+model = onnx.load(args["target"])
+values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+(dq,) = [n for n in model.graph.node if n.input and n.input[0] == "w_quantized"]
+attributes = {a.name: a.i for a in dq.attribute}
+q, scale = values["w_quantized"].astype(np.float64), values[dq.input[1]]
+if "block_size" in attributes:
+    scale = np.repeat(scale, attributes["block_size"], axis=0)
+found = {
+    "record": {k: record[k] for k in ("weight_granularity", "weights_in_blocks")},
+    "side": record["weights_16bit"]["tensors"],
+    "attributes": attributes,
+    "scales": list(values[dq.input[1]].shape),
+    "zero_points": np.unique(values[dq.input[2]].astype(np.int32)).tolist(),
+    "dequantized": (q * scale).ravel().tolist(),
+}
+ort, devices, htp = qnn_job.register_qnn()
+options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
+context = args["target"].replace("qdq.onnx", "ctx.onnx")
+qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
+htp_run = qnn_job.simulator_session(ort, devices, options, context)
+fp32 = qnn_job.cpu_session(ort, args["source"])
+feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
+a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
+found["htp_error"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+print(json.dumps(found))
+"""
+
+
+def _centred_block_graph(path):
+    """x [1, 4, 64] @ w [64, 16], whose every block of 32 inputs per column lies on a
+    centred 16-level grid (what export option block_centres makes of a Q4_1 checkpoint),
+    plus a side matmul of the split."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    steps = rng.integers(0, 16, (2, 32, 16))
+    steps[:, 0], steps[:, 1] = 0, 15  # Q4_1 blocks span their 16 levels
+    weight = (rng.uniform(0.005, 0.03, (2, 1, 16)) * (steps - 8)).reshape(64, 16)
+    side = rng.normal(0, 0.02, (64, 16))
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["main"]),
+            helper.make_node("MatMul", ["x", "m.group_offsets.weight_t"], ["offsets"]),
+            helper.make_node("Add", ["main", "offsets"], ["y"]),
+        ],
+        "centred_blocks",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])],
+        [
+            numpy_helper.from_array(weight.astype(np.float32), "w"),
+            numpy_helper.from_array(side.astype(np.float32), "m.group_offsets.weight_t"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    samples = []
+    for i in range(4):
+        sample = path.parent / f"sample{i}.npz"
+        np.savez(sample, x=rng.standard_normal((1, 4, 64)).astype(np.float32))
+        samples.append({"x": str(sample)})
+    return weight, samples
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("block", [32, None])
+def test_a16w4_weights_in_blocks_keep_a_centred_4bit_grid_exactly_on_the_htp(
+    qnn_stamp, tmp_path, block
+):
+    """With weight_block_size, A16W4's int4 MatMul weights take a float scale per block
+    of inputs and output column (DequantizeLinear block_size, zero point 0): a weight
+    whose blocks lie on centred 4-bit grids dequantizes exactly, and the HTP simulator
+    runs it as block quantization. Per output channel, onnxruntime's one scale per column
+    moves it. A group split's side matmul is int16."""
+    python = json.loads(qnn_stamp.read_text())["python"]
+    weight, samples = _centred_block_graph(tmp_path / "f32.onnx")
+    args = {
+        "source": str(tmp_path / "f32.onnx"),
+        "target": str(tmp_path / "qdq.onnx"),
+        "precision": "a16w4",
+        "samples": samples,
+        "inputs": [{"name": "x", "shape": [1, 4, 64], "dtype": "float32"}],
+        "keep_16bit_tensors": [],
+        "weight_block_size": block,
+    }
+    run = subprocess.run(
+        [python, "-c", BLOCKS_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["side"] == ["m.group_offsets.weight_t"]
+    error = np.abs(np.array(found["dequantized"]) - weight.ravel()).max() / np.abs(weight).max()
+    if block:
+        assert found["record"] == {
+            "weight_granularity": "int4 in blocks of 32 inputs per output channel",
+            "weights_in_blocks": 1,
+        }
+        assert found["attributes"] == {"axis": 0, "block_size": 32}
+        assert found["scales"] == [2, 16] and found["zero_points"] == [0]
+        assert error < 1e-6 and found["htp_error"] < 0.005
+    else:
+        assert found["record"]["weights_in_blocks"] == 0 and found["scales"] == [16]
+        assert error > 0.01
+
+
+@pytest.mark.parametrize("block", [12, 0, -8])
+def test_a_weight_block_size_the_htp_cannot_take_is_refused(block):
+    options = replace(SM8650, weight_block_size=block)
+    with pytest.raises(NpuforgeError, match=f"weight_block_size {block} is not a positive") as err:
+        qnn.check_target("SM8650", options, ["a16w4"])
+    assert "\n" not in str(err.value)
+    qnn.check_target("SM8650", replace(SM8650, weight_block_size=32), ["a16w4"])
+
+
 def test_a_weights_16bit_pattern_that_is_no_regex_is_refused():
     options = replace(SM8650, weights_16bit=["self_attn(["])
     with pytest.raises(NpuforgeError, match="weights_16bit pattern 'self_attn\\(\\[' is not a"):

@@ -97,6 +97,9 @@ class Options(base.CommonOptions):
     # they are added to: a token whose MLP makes or erases a massive activation the
     # calibration never saw is not clipped.
     cover_stream: bool = False
+    # A16W4's int4 MatMul weights take a float scale per this many inputs and output
+    # channel (QNN block quantization), not one per output channel.
+    weight_block_size: int | None = None
     # ep (ONNX Runtime's QNN EP, runs here) or sdk (the QNN SDK's tools, QNN_SDK_ROOT).
     route: str = "ep"
     # The QNN SDK for the sdk route (else $QNN_SDK_ROOT).
@@ -117,6 +120,12 @@ def check_target(target_id: str, options: Options, precisions) -> None:
                 f"target {target_id}: weights_16bit pattern {pattern!r} is not a regular "
                 f"expression ({err}); fix targets.yaml"
             ) from None
+    block = options.weight_block_size
+    if block is not None and (block < 8 or block % 8):
+        raise NpuforgeError(
+            f"target {target_id}: weight_block_size {block} is not a positive multiple of 8, "
+            "which the HTP's 4-bit block quantization needs; fix targets.yaml"
+        )
     known = SOC_MODELS.get(target_id)
     given = (int(options.soc_model), int(options.htp_arch))
     if known and known != given:

@@ -107,6 +107,7 @@ def build_spec(exports: dict, calibrations: dict, options, precision, out_dir, w
         "quantize_op_types": options.quantize_op_types,
         "weights_16bit": list(options.weights_16bit or []),
         "cover_stream": bool(options.cover_stream),
+        "weight_block_size": options.weight_block_size,
         "out_dir": str(Path(out_dir).resolve()),
         "work_dir": str(Path(work_dir).resolve()),
         "chunks": chunks,

@@ -38,6 +38,9 @@ NORM_OP_TYPES = ("LayerNormalization", "GroupNormalization", "InstanceNormalizat
 # Ops whose second input is a large weight matrix: the only tensors that get the
 # low weight bit width.
 MATMUL_OP_TYPES = ("MatMul", "Gemm", "Conv")
+# Weights of the side matmuls of a group split (npuforge.models.llama.group_offsets, which
+# imports torch): group means times group minima or centres, kept 16-bit.
+SIDE_MATMULS = r"\.group_offsets\."
 QAIRT_PATTERN = re.compile(rb"v(\d+\.\d+\.\d+)\.(\d{6,})")
 
 
@@ -736,6 +739,81 @@ def _quantize(model_path: str, target: str, config, measured, work: Path) -> Non
             cache.unlink(missing_ok=True)
 
 
+def pack_int4(values) -> bytes:
+    """Signed 4-bit values, two per byte, the first in the low nibble (ONNX INT4)."""
+    import numpy as np
+
+    flat = np.asarray(values, np.int8).ravel()
+    if flat.size % 2:
+        flat = np.append(flat, np.int8(0))
+    return ((flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)).astype(np.uint8).tobytes()
+
+
+def block_int4(weight, block: int):
+    """A MatMul weight [in, out] as int4 steps [in, out] and float32 scales
+    [in / block, out]: one scale per block of inputs and output column, symmetric over
+    int4's whole signed range (max(-min / 8, max / 7)), so a block already on a centred
+    16-level grid (export option block_centres) is kept exactly."""
+    import numpy as np
+
+    rows, cols = weight.shape
+    blocks = weight.astype(np.float64).reshape(rows // block, block, cols)
+    scale = np.maximum(-blocks.min(1) / 8, blocks.max(1) / 7)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    steps = np.clip(np.round(blocks / scale[:, None, :]), -8, 7).astype(np.int8)
+    return steps.reshape(rows, cols), scale
+
+
+def quantize_weights_in_blocks(qdq_path: str, float_path: str, block: int) -> list[str]:
+    """Re-encode the int4 MatMul weights of the Q/DQ model at ``qdq_path`` block-wise
+    from the float weights of ``float_path``: DequantizeLinear with ``block_size`` (opset
+    21), which the QNN EP hands the HTP as block quantization (a float scale per block,
+    zero point 0). onnxruntime's static quantizer has no block-wise form. Returns the
+    re-encoded weights' names."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(qdq_path)
+    floats = {i.name: i for i in onnx.load(float_path).graph.initializer}
+    inits = {i.name: i for i in model.graph.initializer}
+    weight_inputs = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"}
+    done = []
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or node.output[0] not in weight_inputs:
+            continue
+        quantized = inits.get(node.input[0])
+        source = floats.get(node.input[0].removesuffix("_quantized"))
+        if quantized is None or quantized.data_type != onnx.TensorProto.INT4 or source is None:
+            continue
+        if len(source.dims) != 2 or source.dims[0] % block:
+            continue
+        steps, scale = block_int4(numpy_helper.to_array(source), block)
+        for name, dims, data in (
+            (node.input[0], steps.shape, pack_int4(steps)),
+            (node.input[2], scale.shape, pack_int4(np.zeros(scale.shape, np.int8))),
+        ):
+            tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.INT4, dims=dims)
+            tensor.raw_data = data
+            inits[name].CopyFrom(tensor)
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(scale, node.input[1]))
+        # ONNX's own DequantizeLinear (opset 21) takes block_size; onnxruntime's contrib
+        # one (com.microsoft, which its quantizer may write) does not.
+        node.domain = ""
+        del node.attribute[:]
+        node.attribute.extend(
+            [onnx.helper.make_attribute("axis", 0), onnx.helper.make_attribute("block_size", block)]
+        )
+        done.append(source.name)
+    if done:
+        onnx_opset = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        onnx_opset.version = max(onnx_opset.version, 21)
+        data = Path(qdq_path).name + ".data"
+        (Path(qdq_path).parent / data).unlink(missing_ok=True)
+        onnx.save(model, qdq_path, save_as_external_data=True, location=data)
+    return done
+
+
 def quantize_graph(
     source: str,
     target: str,
@@ -748,10 +826,12 @@ def quantize_graph(
     op_types: list | None = None,
     weights_16bit: list | None = None,
     cover_stream: bool = False,
+    weight_block_size: int | None = None,
 ) -> dict:
     """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4); weight matrices whose
     name a ``weights_16bit`` regex matches are int16 instead; with ``cover_stream``,
-    residual branches get ranges that cover their stream (``ranges_covering_stream``)."""
+    residual branches get ranges that cover their stream (``ranges_covering_stream``);
+    with ``weight_block_size``, A16W4's int4 weights take a scale per block of inputs."""
     import numpy as np
     import onnx
     from onnxruntime.quantization import QuantType
@@ -797,7 +877,10 @@ def quantize_graph(
     overrides, kept_norms = sensitive_overrides(
         model, keep_16bit_tensors, QuantType.QUInt16, weight_override=per_column
     )
-    wide = wide_weights(model, overrides, per_column, weights_16bit or [])
+    patterns = list(weights_16bit or [])
+    if any(re.search(SIDE_MATMULS, init.name) for init in model.graph.initializer):
+        patterns.append(SIDE_MATMULS)
+    wide = wide_weights(model, overrides, per_column, patterns)
     for name in wide["tensors"]:
         overrides[name] = [{**overrides[name][0], "quant_type": QuantType.QInt16}]
     covered, measured = {}, None
@@ -837,13 +920,21 @@ def quantize_graph(
     finally:
         _QDQ_PROGRESS = None
         _NAME_INDEX.clear()
+    blocked = []
+    if weight_block_size and precision == "a16w4":
+        log(f"re-encoding int4 weights in blocks of {weight_block_size} inputs")
+        blocked = quantize_weights_in_blocks(target, model_path, int(weight_block_size))
+    granularity = "per output channel, symmetric"
+    if blocked:
+        granularity = f"int4 in blocks of {weight_block_size} inputs per output channel"
     return {
         "source": source,
         "qdq_model": target,
         "preprocessed": bool(changed),
         "activation_type": "uint16",
         "weight_type": "int8" if precision == "a16w8" else "int4",
-        "weight_granularity": "per output channel, symmetric",
+        "weight_granularity": granularity,
+        "weights_in_blocks": len(blocked),
         "weights_16bit": wide,
         "samples": len(samples),
         "kept_16bit": sorted(
@@ -975,6 +1066,7 @@ def quantize_chunk(spec: dict, chunk: dict) -> dict:
             spec.get("quantize_op_types"),
             spec.get("weights_16bit"),
             bool(spec.get("cover_stream", False)),
+            spec.get("weight_block_size"),
         )
         seconds = time.monotonic() - started
         log(f"quantized chunk {chunk['index']} {graph['variant']} in {seconds:.1f} s")

@@ -23,6 +23,7 @@ EXPORT_OPTIONS = (
     "kv_prefix",
     "smoothquant",
     "group_offsets",
+    "block_centres",
 )
 
 
@@ -32,8 +33,8 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
 
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
-    ``smoothquant: {precision: alpha}`` and ``group_offsets: {precision: group}`` give
-    that precision an export of its own.
+    ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}`` and
+    ``block_centres: {precision: group}`` give that precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -47,14 +48,23 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     if alpha is not None:
         options["smoothquant"] = {"alpha": float(alpha)}
     group = (export.get("group_offsets") or {}).get(precision)
+    centres = (export.get("block_centres") or {}).get(precision)
+    if group is not None and centres is not None:
+        raise NpuforgeError(
+            f"export.group_offsets and export.block_centres both name {precision}; they "
+            f"are two forms of one split: keep {precision} in one of them"
+        )
     if group is not None:
         if options["sha"]:
             raise NpuforgeError(
                 f"export.group_offsets names {precision}, which a target builds with the "
                 "MHA->SHA pass (sha: true), and that pass cannot split q/k/v's side matmuls "
-                f"per head: remove {precision} from the model's group_offsets"
+                f"per head: remove {precision} from the model's group_offsets (block_centres "
+                "splits only the MLP)"
             )
         options["group_offsets"] = {"group": int(group)}
+    if centres is not None:
+        options["block_centres"] = {"group": int(centres)}
     return options
 
 

@@ -328,6 +328,7 @@ def export_llama(
     kv_prefix: tuple = (),
     smoothquant: dict | None = None,
     group_offsets: dict | None = None,
+    block_centres: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -346,6 +347,8 @@ def export_llama(
     SmoothQuant scales folded into the weights (``npuforge.models.llama.smoothing``).
     group_offsets: {"group": g}: each decoder matmul's per-group weight minima moved into
     a side matmul (``npuforge.models.llama.group_offsets``), for 4-bit group quantizers.
+    block_centres: {"group": g}: the MLP matmuls' per-group centres moved into a side
+    matmul, for symmetric 4-bit block quantizers.
     """
     import torch
 
@@ -375,18 +378,21 @@ def export_llama(
             f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
         )
     # Smoothing needs fp32 activations, the offsets fp32 weights: the model is cast after.
-    load_dtype = torch.float32 if smoothquant or group_offsets else torch_dtype
+    split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
+    load_dtype = torch.float32 if smoothquant or any(split_options.values()) else torch_dtype
     state_dict = load_state_dict(checkpoint_dir, load_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes)
     del state_dict
     smoothed = None
     if smoothquant:
         smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
-    offsets = None
-    if group_offsets:
-        from npuforge.models.llama.group_offsets import split_group_offsets
+    from npuforge.models.llama.group_offsets import split_group_offsets
 
-        offsets = split_group_offsets(model, int(group_offsets["group"]))
+    split = {
+        option: split_group_offsets(model, int(chosen["group"]), option)
+        for option, chosen in split_options.items()
+        if chosen
+    }
     model = model.to(torch_dtype)
     ranges = split_layers(cfg.num_layers, chunks)
 
@@ -461,8 +467,8 @@ def export_llama(
         if smoothed:
             meta["smoothquant"] = smoothed
             meta["options"]["smoothquant"] = smoothed["alpha"]
-        if offsets:
-            meta["group_offsets"] = offsets
-            meta["options"]["group_offsets"] = offsets["group"]
+        for option, record in split.items():
+            meta[option] = record
+            meta["options"][option] = record["group"]
         write_json(tmp / "export.json", meta)
     return meta

@@ -35,11 +35,12 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
             "smoothquant is a llama export option (it rescales a transformer's norms and "
             "projections): remove it from the RWKV model's export"
         )
-    if export.get("group_offsets"):
-        raise NpuforgeError(
-            "group_offsets is a llama export option (it splits a transformer's projections): "
-            "remove it from the RWKV model's export"
-        )
+    for option in ("group_offsets", "block_centres"):
+        if export.get(option):
+            raise NpuforgeError(
+                f"{option} is a llama export option (it splits a transformer's projections): "
+                "remove it from the RWKV model's export"
+            )
     return {
         "fp16_fixes": bool(export.get("fp16_fixes", True)),
         "last_token_logits": bool(export.get("last_token_logits", False)),
