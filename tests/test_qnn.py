@@ -844,7 +844,21 @@ def test_weights_16bit_patterns_give_the_named_matrices_int16(qnn_stamp, workspa
     assert by_matrix["wk1"] == by_matrix["head"] == onnx.TensorProto.INT8
 
 
-CONV_KERNEL_SCRIPT = """
+# Compiles args["target"] for SM8650, runs it on the HTP simulator and args["source"] on
+# the CPU over the last sample: a (HTP) and b (fp32), flattened.
+HTP_AND_FP32_SCRIPT = """
+ort, devices, htp = qnn_job.register_qnn()
+options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
+context = args["target"].replace("qdq.onnx", "ctx.onnx")
+qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
+htp_run = qnn_job.simulator_session(ort, devices, options, context)
+fp32 = qnn_job.cpu_session(ort, args["source"])
+feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
+a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
+"""
+
+CONV_KERNEL_SCRIPT = (
+    """
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -861,17 +875,13 @@ found = {
     "axis": next(a.i for a in dq.attribute if a.name == "axis"),
     "scales": int(values[dq.input[1]].size),
 }
-ort, devices, htp = qnn_job.register_qnn()
-options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
-context = args["target"].replace("qdq.onnx", "ctx.onnx")
-qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
-htp_run = qnn_job.simulator_session(ort, devices, options, context)
-fp32 = qnn_job.cpu_session(ort, args["source"])
-feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
-a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
+"""
+    + HTP_AND_FP32_SCRIPT
+    + """
 found["cosine"] = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 print(json.dumps(found))
 """
+)
 
 
 def _conv_graph(path):
@@ -939,7 +949,8 @@ def test_a_conv_kernel_is_quantized_per_output_channel_and_runs_on_the_htp(
         assert found["cosine"] >= 0.99
 
 
-BLOCKS_SCRIPT = """
+BLOCKS_SCRIPT = (
+    """
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -962,17 +973,13 @@ found = {
     "zero_points": np.unique(values[dq.input[2]].astype(np.int32)).tolist(),
     "dequantized": (q * scale).ravel().tolist(),
 }
-ort, devices, htp = qnn_job.register_qnn()
-options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
-context = args["target"].replace("qdq.onnx", "ctx.onnx")
-qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
-htp_run = qnn_job.simulator_session(ort, devices, options, context)
-fp32 = qnn_job.cpu_session(ort, args["source"])
-feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
-a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
+"""
+    + HTP_AND_FP32_SCRIPT
+    + """
 found["htp_error"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
 print(json.dumps(found))
 """
+)
 
 
 def _centred_block_graph(path):
