@@ -960,14 +960,18 @@ args = json.loads(sys.argv[2])
 record = qnn_job.quantize_graph(**args)
 model = onnx.load(args["target"])
 values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-(dq,) = [n for n in model.graph.node if n.input and n.input[0] == "w_quantized"]
+weight = sys.argv[3] + "_quantized"
+(dq,) = [n for n in model.graph.node if n.input and n.input[0] == weight]
 attributes = {a.name: a.i for a in dq.attribute}
-q, scale = values["w_quantized"].astype(np.float64), values[dq.input[1]]
+q, scale = values[weight].astype(np.float64), values[dq.input[1]]
+types = {i.name: i.data_type for i in model.graph.initializer}
 if "block_size" in attributes:
     scale = np.repeat(scale, attributes["block_size"], axis=0)
 found = {
     "record": {k: record[k] for k in ("weight_granularity", "weights_in_blocks")},
     "side": record["weights_16bit"]["tensors"],
+    "eight": record["weights_8bit"]["tensors"],
+    "type": types[weight],
     "attributes": attributes,
     "scales": list(values[dq.input[1]].shape),
     "zero_points": np.unique(values[dq.input[2]].astype(np.int32)).tolist(),
@@ -1029,6 +1033,8 @@ def test_a16w4_weights_in_blocks_keep_a_centred_4bit_grid_exactly_on_the_htp(
     whose blocks lie on centred 4-bit grids dequantizes exactly, and the HTP simulator
     runs it as block quantization. Per output channel, onnxruntime's one scale per column
     moves it. A group split's side matmul is int16."""
+    import onnx
+
     python = json.loads(qnn_stamp.read_text())["python"]
     weight, samples = _centred_block_graph(tmp_path / "f32.onnx")
     args = {
@@ -1041,17 +1047,103 @@ def test_a16w4_weights_in_blocks_keep_a_centred_4bit_grid_exactly_on_the_htp(
         "weight_block_size": block,
     }
     run = subprocess.run(
-        [python, "-c", BLOCKS_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        [python, "-c", BLOCKS_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args), "w"],
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
     assert found["side"] == ["m.group_offsets.weight_t"]
+    assert found["type"] == onnx.TensorProto.INT4 and found["eight"] == []
     error = np.abs(np.array(found["dequantized"]) - weight.ravel()).max() / np.abs(weight).max()
     if block:
         assert found["record"] == {
             "weight_granularity": "int4 in blocks of 32 inputs per output channel",
+            "weights_in_blocks": 1,
+        }
+        assert found["attributes"] == {"axis": 0, "block_size": 32}
+        assert found["scales"] == [2, 16] and found["zero_points"] == [0]
+        assert error < 1e-6 and found["htp_error"] < 0.005
+    else:
+        assert found["record"]["weights_in_blocks"] == 0 and found["scales"] == [16]
+        assert error > 0.01
+
+
+def _q8_0_graph(path):
+    """x [1, 4, 64] @ lm_head.weight_t [64, 16] whose every block of 32 inputs per
+    column is GGUF Q8_0: steps -127..127 (the block's largest |w| at 127) times a scale
+    of its own, which differs 30-fold between blocks."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    steps = rng.integers(-127, 128, (2, 32, 16))
+    steps[:, 0] = np.where(rng.random((2, 16)) < 0.5, -127, 127)
+    scales = rng.uniform(0.0003, 0.009, (2, 1, 16)).astype(np.float16).astype(np.float64)
+    weight = (scales * steps).reshape(64, 16)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "lm_head.weight_t"], ["y"])],
+        "q8_0_blocks",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])],
+        [numpy_helper.from_array(weight.astype(np.float32), "lm_head.weight_t")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    samples = []
+    for i in range(4):
+        sample = path.parent / f"sample{i}.npz"
+        np.savez(sample, x=rng.standard_normal((1, 4, 64)).astype(np.float32))
+        samples.append({"x": str(sample)})
+    return weight.astype(np.float32), samples
+
+
+@pytest.mark.toolchain
+@pytest.mark.parametrize("block", [32, None])
+def test_a16w4_weights_named_8bit_keep_a_q8_0_grid_exactly_in_blocks_on_the_htp(
+    qnn_stamp, tmp_path, block
+):
+    """weights_8bit makes the A16W4 weights it names int8; with weight_block_size they
+    take a scale per block of inputs (max |w| / 127, zero point 0), so a Q8_0 weight
+    (an lm_head tied to a Q8_0 embedding) dequantizes exactly and runs on the HTP
+    simulator. Per output channel, one scale per column moves its small blocks."""
+    import onnx
+
+    python = json.loads(qnn_stamp.read_text())["python"]
+    weight, samples = _q8_0_graph(tmp_path / "f32.onnx")
+    args = {
+        "source": str(tmp_path / "f32.onnx"),
+        "target": str(tmp_path / "qdq.onnx"),
+        "precision": "a16w4",
+        "samples": samples,
+        "inputs": [{"name": "x", "shape": [1, 4, 64], "dtype": "float32"}],
+        "keep_16bit_tensors": [],
+        "weight_block_size": block,
+        "weights_8bit": ["lm_head"],
+    }
+    run = subprocess.run(
+        [
+            python,
+            "-c",
+            BLOCKS_SCRIPT,
+            str(REPO / "npuforge" / "jobs"),
+            json.dumps(args),
+            "lm_head.weight_t",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["type"] == onnx.TensorProto.INT8 and found["eight"] == ["lm_head.weight_t"]
+    dequantized = np.array(found["dequantized"]).reshape(64, 16)
+    # The worst error within each block, relative to the block's largest |w|.
+    blocks = np.abs(dequantized - weight).reshape(2, 32, 16).max(1)
+    error = (blocks / np.abs(weight).reshape(2, 32, 16).max(1)).max()
+    if block:
+        assert found["record"] == {
+            "weight_granularity": "int4 and int8 in blocks of 32 inputs per output channel",
             "weights_in_blocks": 1,
         }
         assert found["attributes"] == {"axis": 0, "block_size": 32}
@@ -1071,10 +1163,12 @@ def test_a_weight_block_size_the_htp_cannot_take_is_refused(block):
     qnn.check_target("SM8650", replace(SM8650, weight_block_size=32), ["a16w4"])
 
 
-def test_a_weights_16bit_pattern_that_is_no_regex_is_refused():
-    options = replace(SM8650, weights_16bit=["self_attn(["])
-    with pytest.raises(NpuforgeError, match="weights_16bit pattern 'self_attn\\(\\[' is not a"):
+@pytest.mark.parametrize("field", ["weights_16bit", "weights_8bit"])
+def test_a_weight_pattern_that_is_no_regex_is_refused(field):
+    options = replace(SM8650, **{field: ["self_attn(["]})
+    with pytest.raises(NpuforgeError, match=f"{field} pattern 'self_attn\\(\\[' is not a") as err:
         qnn.check_target("SM8650", options, ["a16w8"])
+    assert "\n" not in str(err.value)
 
 
 def quantize_in_toolchain(python, args) -> tuple[str, dict]:

@@ -100,6 +100,9 @@ class Options(base.CommonOptions):
     # A16W4's int4 MatMul weights take a float scale per this many inputs and output
     # channel (QNN block quantization), not one per output channel.
     weight_block_size: int | None = None
+    # A16W4: MatMul weights whose name a regex here matches are int8 (in blocks when
+    # weight_block_size is set), e.g. an lm_head the checkpoint itself stores at 8 bits.
+    weights_8bit: list | None = None
     # ep (ONNX Runtime's QNN EP, runs here) or sdk (the QNN SDK's tools, QNN_SDK_ROOT).
     route: str = "ep"
     # The QNN SDK for the sdk route (else $QNN_SDK_ROOT).
@@ -112,14 +115,15 @@ def check_target(target_id: str, options: Options, precisions) -> None:
         problem = precision_problem(target_id, options, precision)
         if problem:
             raise NpuforgeError(problem)
-    for pattern in options.weights_16bit or []:
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise NpuforgeError(
-                f"target {target_id}: weights_16bit pattern {pattern!r} is not a regular "
-                f"expression ({err}); fix targets.yaml"
-            ) from None
+    for field in ("weights_16bit", "weights_8bit"):
+        for pattern in getattr(options, field) or []:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise NpuforgeError(
+                    f"target {target_id}: {field} pattern {pattern!r} is not a regular "
+                    f"expression ({err}); fix targets.yaml"
+                ) from None
     block = options.weight_block_size
     if block is not None and (block < 8 or block % 8):
         raise NpuforgeError(

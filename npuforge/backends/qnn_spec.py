@@ -108,6 +108,7 @@ def build_spec(exports: dict, calibrations: dict, options, precision, out_dir, w
         "weights_16bit": list(options.weights_16bit or []),
         "cover_stream": bool(options.cover_stream),
         "weight_block_size": options.weight_block_size,
+        "weights_8bit": list(options.weights_8bit or []),
         "out_dir": str(Path(out_dir).resolve()),
         "work_dir": str(Path(work_dir).resolve()),
         "chunks": chunks,

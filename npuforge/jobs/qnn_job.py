@@ -749,31 +749,36 @@ def pack_int4(values) -> bytes:
     return ((flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)).astype(np.uint8).tobytes()
 
 
-def block_int4(weight, block: int):
-    """A MatMul weight [in, out] as int4 steps [in, out] and float32 scales
-    [in / block, out]: one scale per block of inputs and output column, symmetric over
-    int4's whole signed range (max(-min / 8, max / 7)), so a block already on a centred
-    16-level grid (export option block_centres) is kept exactly."""
+def block_steps(weight, block: int, bits: int):
+    """A MatMul weight [in, out] as signed steps [in, out] and float32 scales
+    [in / block, out]: one scale per block of inputs and output column, zero point 0.
+    int4 spans its whole signed range (max(-min / 8, max / 7)), so a block already on
+    a centred 16-level grid (export option block_centres) is kept exactly; int8 spans
+    -127..127 (max |w| / 127), GGUF Q8_0's own grid, which it keeps exactly."""
     import numpy as np
 
     rows, cols = weight.shape
     blocks = weight.astype(np.float64).reshape(rows // block, block, cols)
-    scale = np.maximum(-blocks.min(1) / 8, blocks.max(1) / 7)
+    if bits == 4:
+        low, scale = -8, np.maximum(-blocks.min(1) / 8, blocks.max(1) / 7)
+    else:
+        low, scale = -127, np.abs(blocks).max(1) / 127
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    steps = np.clip(np.round(blocks / scale[:, None, :]), -8, 7).astype(np.int8)
-    return steps.reshape(rows, cols), scale
+    steps = np.clip(np.round(blocks / scale[:, None, :]), low, -low - (bits == 4))
+    return steps.astype(np.int8).reshape(rows, cols), scale
 
 
 def quantize_weights_in_blocks(qdq_path: str, float_path: str, block: int) -> list[str]:
-    """Re-encode the int4 MatMul weights of the Q/DQ model at ``qdq_path`` block-wise
-    from the float weights of ``float_path``: DequantizeLinear with ``block_size`` (opset
-    21), which the QNN EP hands the HTP as block quantization (a float scale per block,
-    zero point 0). onnxruntime's static quantizer has no block-wise form. Returns the
-    re-encoded weights' names."""
+    """Re-encode the int4 and int8 MatMul weights of the Q/DQ model at ``qdq_path``
+    block-wise from the float weights of ``float_path``: DequantizeLinear with
+    ``block_size`` (opset 21), which the QNN EP hands the HTP as block quantization (a
+    float scale per block, zero point 0). onnxruntime's static quantizer has no
+    block-wise form. Returns the re-encoded weights' names."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
 
+    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.INT8: 8}
     model = onnx.load(qdq_path)
     floats = {i.name: i for i in onnx.load(float_path).graph.initializer}
     inits = {i.name: i for i in model.graph.initializer}
@@ -784,17 +789,16 @@ def quantize_weights_in_blocks(qdq_path: str, float_path: str, block: int) -> li
             continue
         quantized = inits.get(node.input[0])
         source = floats.get(node.input[0].removesuffix("_quantized"))
-        if quantized is None or quantized.data_type != onnx.TensorProto.INT4 or source is None:
+        if quantized is None or quantized.data_type not in bits or source is None:
             continue
         if len(source.dims) != 2 or source.dims[0] % block:
             continue
-        steps, scale = block_int4(numpy_helper.to_array(source), block)
-        for name, dims, data in (
-            (node.input[0], steps.shape, pack_int4(steps)),
-            (node.input[2], scale.shape, pack_int4(np.zeros(scale.shape, np.int8))),
-        ):
-            tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.INT4, dims=dims)
-            tensor.raw_data = data
+        width = bits[quantized.data_type]
+        steps, scale = block_steps(numpy_helper.to_array(source), block, width)
+        zeros = np.zeros(scale.shape, np.int8)
+        for name, values in ((node.input[0], steps), (node.input[2], zeros)):
+            tensor = onnx.TensorProto(name=name, data_type=quantized.data_type, dims=values.shape)
+            tensor.raw_data = pack_int4(values) if width == 4 else values.tobytes()
             inits[name].CopyFrom(tensor)
         inits[node.input[1]].CopyFrom(numpy_helper.from_array(scale, node.input[1]))
         # ONNX's own DequantizeLinear (opset 21) takes block_size; onnxruntime's contrib
@@ -827,11 +831,13 @@ def quantize_graph(
     weights_16bit: list | None = None,
     cover_stream: bool = False,
     weight_block_size: int | None = None,
+    weights_8bit: list | None = None,
 ) -> dict:
     """fp32 ONNX -> QDQ ONNX for the QNN HTP (A16W8 or A16W4); weight matrices whose
-    name a ``weights_16bit`` regex matches are int16 instead; with ``cover_stream``,
-    residual branches get ranges that cover their stream (``ranges_covering_stream``);
-    with ``weight_block_size``, A16W4's int4 weights take a scale per block of inputs."""
+    name a ``weights_16bit`` regex matches are int16 instead, and A16W4's whose name a
+    ``weights_8bit`` regex matches int8; with ``cover_stream``, residual branches get
+    ranges that cover their stream (``ranges_covering_stream``); with
+    ``weight_block_size``, A16W4's int4 and int8 weights take a scale per block of inputs."""
     import numpy as np
     import onnx
     from onnxruntime.quantization import QuantType
@@ -883,6 +889,11 @@ def quantize_graph(
     wide = wide_weights(model, overrides, per_column, patterns)
     for name in wide["tensors"]:
         overrides[name] = [{**overrides[name][0], "quant_type": QuantType.QInt16}]
+    eight = None
+    if precision == "a16w4":
+        eight = wide_weights(model, overrides, per_column, list(weights_8bit or []))
+        for name in eight["tensors"]:
+            overrides[name] = [{**overrides[name][0], "quant_type": QuantType.QInt8}]
     covered, measured = {}, None
     if range_margin or cover_stream:
         measured = _measured_ranges(model_path, samples, inputs, work)
@@ -922,11 +933,12 @@ def quantize_graph(
         _NAME_INDEX.clear()
     blocked = []
     if weight_block_size and precision == "a16w4":
-        log(f"re-encoding int4 weights in blocks of {weight_block_size} inputs")
+        log(f"re-encoding int4/int8 weights in blocks of {weight_block_size} inputs")
         blocked = quantize_weights_in_blocks(target, model_path, int(weight_block_size))
     granularity = "per output channel, symmetric"
     if blocked:
-        granularity = f"int4 in blocks of {weight_block_size} inputs per output channel"
+        widths = "int4 and int8" if eight and eight["tensors"] else "int4"
+        granularity = f"{widths} in blocks of {weight_block_size} inputs per output channel"
     return {
         "source": source,
         "qdq_model": target,
@@ -936,6 +948,7 @@ def quantize_graph(
         "weight_granularity": granularity,
         "weights_in_blocks": len(blocked),
         "weights_16bit": wide,
+        "weights_8bit": eight,
         "samples": len(samples),
         "kept_16bit": sorted(
             k for k, v in overrides.items() if v[0]["quant_type"] == QuantType.QUInt16
@@ -1067,6 +1080,7 @@ def quantize_chunk(spec: dict, chunk: dict) -> dict:
             spec.get("weights_16bit"),
             bool(spec.get("cover_stream", False)),
             spec.get("weight_block_size"),
+            spec.get("weights_8bit"),
         )
         seconds = time.monotonic() - started
         log(f"quantized chunk {chunk['index']} {graph['variant']} in {seconds:.1f} s")
