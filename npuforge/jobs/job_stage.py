@@ -216,6 +216,16 @@ def remove_stage(stage: str) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a stopped build step) exit through the job's ``finally`` blocks, so
+    its stage is removed: natively /tmp is no container tmpfs that goes with the job, and
+    a QNN stage holds gigabytes. Python's default for SIGTERM skips every cleanup."""
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda number, _frame: sys.exit(128 + number))
+
+
 def make_stage(kind: str, staged_spec: dict, links: dict, scripts: list):
     """Create the stage for ``staged_spec``; return (stage, interpreter, lock fd).
 
@@ -224,6 +234,7 @@ def make_stage(kind: str, staged_spec: dict, links: dict, scripts: list):
     staged spec; ``remove_stage`` (called by the holder, or by a process that
     inherited the fd across exec) deletes both and so releases it.
     """
+    exit_on_sigterm()
     spec_bytes = json.dumps(staged_spec, indent=1, sort_keys=True).encode()
     stage = f"{STAGE_ROOT}/npuforge-{kind}-{hashlib.sha256(spec_bytes).hexdigest()[:16]}"
     lock = _lock(f"{stage}.lock")

@@ -357,6 +357,10 @@ def main(spec_path):
 
 if __name__ == "__main__":
     _deterministic_reexec()
+    if os.path.isfile("dest.json"):
+        import job_stage
+
+        job_stage.exit_on_sigterm()  # exec reset it; the stage below must still go
     try:
         main(sys.argv[1])
     except Exception as err:  # one line the runner can show; the log has the rest
