@@ -760,11 +760,11 @@ def block_steps(weight, block: int, bits: int):
     rows, cols = weight.shape
     blocks = weight.astype(np.float64).reshape(rows // block, block, cols)
     if bits == 4:
-        low, scale = -8, np.maximum(-blocks.min(1) / 8, blocks.max(1) / 7)
+        low, high, scale = -8, 7, np.maximum(-blocks.min(1) / 8, blocks.max(1) / 7)
     else:
-        low, scale = -127, np.abs(blocks).max(1) / 127
+        low, high, scale = -127, 127, np.abs(blocks).max(1) / 127
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    steps = np.clip(np.round(blocks / scale[:, None, :]), low, -low - (bits == 4))
+    steps = np.clip(np.round(blocks / scale[:, None, :]), low, high)
     return steps.astype(np.int8).reshape(rows, cols), scale
 
 
