@@ -884,20 +884,18 @@ print(json.dumps(found))
 )
 
 
-def _conv_graph(path):
-    """x [1, 64, 2, 2] through a 1x1 Conv with 16 output channels, each row of its
-    kernel on a scale of its own (what a per-output-channel quantizer must see)."""
+def _save_with_samples(path, name, nodes, weights, rng, x=(1, 4, 64), y=(1, 4, 16)) -> list:
+    """Save the graph ``nodes`` (input x, output y, of those shapes) with initializers
+    ``weights`` ({name: array}) at ``path``; return 4 calibration samples of x."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(3)
-    kernel = rng.normal(0, 1, (16, 64, 1, 1)) * rng.uniform(0.01, 0.2, (16, 1, 1, 1))
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "kernel"], ["y"], name="conv")],
-        "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 2, 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 2, 2])],
-        [numpy_helper.from_array(kernel.astype(np.float32), "kernel")],
+        nodes,
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y))],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
@@ -905,9 +903,21 @@ def _conv_graph(path):
     samples = []
     for i in range(4):
         sample = path.parent / f"sample{i}.npz"
-        np.savez(sample, x=rng.standard_normal((1, 64, 2, 2)).astype(np.float32))
+        np.savez(sample, x=rng.standard_normal(x).astype(np.float32))
         samples.append({"x": str(sample)})
     return samples
+
+
+def _conv_graph(path):
+    """x [1, 64, 2, 2] through a 1x1 Conv with 16 output channels, each row of its
+    kernel on a scale of its own (what a per-output-channel quantizer must see)."""
+    from onnx import helper
+
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(0, 1, (16, 64, 1, 1)) * rng.uniform(0.01, 0.2, (16, 1, 1, 1))
+    nodes = [helper.make_node("Conv", ["x", "kernel"], ["y"], name="conv")]
+    shapes = {"x": (1, 64, 2, 2), "y": (1, 16, 2, 2)}
+    return _save_with_samples(path, "conv", nodes, {"kernel": kernel}, rng, **shapes)
 
 
 @pytest.mark.toolchain
@@ -986,41 +996,46 @@ print(json.dumps(found))
 )
 
 
+def _blocks_in_toolchain(python, tmp_path, samples, weight_name, **options) -> dict:
+    """Quantize tmp_path/f32.onnx for a16w4 with ``options`` by BLOCKS_SCRIPT in the
+    toolchain's Python; what it found about ``weight_name``."""
+    args = {
+        "source": str(tmp_path / "f32.onnx"),
+        "target": str(tmp_path / "qdq.onnx"),
+        "precision": "a16w4",
+        "samples": samples,
+        "inputs": [{"name": "x", "shape": [1, 4, 64], "dtype": "float32"}],
+        "keep_16bit_tensors": [],
+        **options,
+    }
+    jobs = str(REPO / "npuforge" / "jobs")
+    run = subprocess.run(
+        [python, "-c", BLOCKS_SCRIPT, jobs, json.dumps(args), weight_name],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
 def _centred_block_graph(path):
     """x [1, 4, 64] @ w [64, 16], whose every block of 32 inputs per column lies on a
     centred 16-level grid (what export option block_centres makes of a Q4_1 checkpoint),
     plus a side matmul of the split."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     rng = np.random.default_rng(3)
     steps = rng.integers(0, 16, (2, 32, 16))
     steps[:, 0], steps[:, 1] = 0, 15  # Q4_1 blocks span their 16 levels
     weight = (rng.uniform(0.005, 0.03, (2, 1, 16)) * (steps - 8)).reshape(64, 16)
     side = rng.normal(0, 0.02, (64, 16))
-    graph = helper.make_graph(
-        [
-            helper.make_node("MatMul", ["x", "w"], ["main"]),
-            helper.make_node("MatMul", ["x", "m.group_offsets.weight_t"], ["offsets"]),
-            helper.make_node("Add", ["main", "offsets"], ["y"]),
-        ],
-        "centred_blocks",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])],
-        [
-            numpy_helper.from_array(weight.astype(np.float32), "w"),
-            numpy_helper.from_array(side.astype(np.float32), "m.group_offsets.weight_t"),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, str(path))
-    samples = []
-    for i in range(4):
-        sample = path.parent / f"sample{i}.npz"
-        np.savez(sample, x=rng.standard_normal((1, 4, 64)).astype(np.float32))
-        samples.append({"x": str(sample)})
-    return weight, samples
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["main"]),
+        helper.make_node("MatMul", ["x", "m.group_offsets.weight_t"], ["offsets"]),
+        helper.make_node("Add", ["main", "offsets"], ["y"]),
+    ]
+    weights = {"w": weight, "m.group_offsets.weight_t": side}
+    return weight, _save_with_samples(path, "centred_blocks", nodes, weights, rng)
 
 
 @pytest.mark.toolchain
@@ -1037,22 +1052,7 @@ def test_a16w4_weights_in_blocks_keep_a_centred_4bit_grid_exactly_on_the_htp(
 
     python = json.loads(qnn_stamp.read_text())["python"]
     weight, samples = _centred_block_graph(tmp_path / "f32.onnx")
-    args = {
-        "source": str(tmp_path / "f32.onnx"),
-        "target": str(tmp_path / "qdq.onnx"),
-        "precision": "a16w4",
-        "samples": samples,
-        "inputs": [{"name": "x", "shape": [1, 4, 64], "dtype": "float32"}],
-        "keep_16bit_tensors": [],
-        "weight_block_size": block,
-    }
-    run = subprocess.run(
-        [python, "-c", BLOCKS_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args), "w"],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.splitlines()[-1])
+    found = _blocks_in_toolchain(python, tmp_path, samples, "w", weight_block_size=block)
     assert found["side"] == ["m.group_offsets.weight_t"]
     assert found["type"] == onnx.TensorProto.INT4 and found["eight"] == []
     error = np.abs(np.array(found["dequantized"]) - weight.ravel()).max() / np.abs(weight).max()
@@ -1073,29 +1073,15 @@ def _q8_0_graph(path):
     """x [1, 4, 64] @ lm_head.weight_t [64, 16] whose every block of 32 inputs per
     column is GGUF Q8_0: steps -127..127 (the block's largest |w| at 127) times a scale
     of its own, which differs 30-fold between blocks."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     rng = np.random.default_rng(5)
     steps = rng.integers(-127, 128, (2, 32, 16))
     steps[:, 0] = np.where(rng.random((2, 16)) < 0.5, -127, 127)
     scales = rng.uniform(0.0003, 0.009, (2, 1, 16)).astype(np.float16).astype(np.float64)
     weight = (scales * steps).reshape(64, 16)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "lm_head.weight_t"], ["y"])],
-        "q8_0_blocks",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 16])],
-        [numpy_helper.from_array(weight.astype(np.float32), "lm_head.weight_t")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, str(path))
-    samples = []
-    for i in range(4):
-        sample = path.parent / f"sample{i}.npz"
-        np.savez(sample, x=rng.standard_normal((1, 4, 64)).astype(np.float32))
-        samples.append({"x": str(sample)})
+    nodes = [helper.make_node("MatMul", ["x", "lm_head.weight_t"], ["y"])]
+    samples = _save_with_samples(path, "q8_0_blocks", nodes, {"lm_head.weight_t": weight}, rng)
     return weight.astype(np.float32), samples
 
 
@@ -1112,30 +1098,14 @@ def test_a16w4_weights_named_8bit_keep_a_q8_0_grid_exactly_in_blocks_on_the_htp(
 
     python = json.loads(qnn_stamp.read_text())["python"]
     weight, samples = _q8_0_graph(tmp_path / "f32.onnx")
-    args = {
-        "source": str(tmp_path / "f32.onnx"),
-        "target": str(tmp_path / "qdq.onnx"),
-        "precision": "a16w4",
-        "samples": samples,
-        "inputs": [{"name": "x", "shape": [1, 4, 64], "dtype": "float32"}],
-        "keep_16bit_tensors": [],
-        "weight_block_size": block,
-        "weights_8bit": ["lm_head"],
-    }
-    run = subprocess.run(
-        [
-            python,
-            "-c",
-            BLOCKS_SCRIPT,
-            str(REPO / "npuforge" / "jobs"),
-            json.dumps(args),
-            "lm_head.weight_t",
-        ],
-        capture_output=True,
-        text=True,
+    found = _blocks_in_toolchain(
+        python,
+        tmp_path,
+        samples,
+        "lm_head.weight_t",
+        weight_block_size=block,
+        weights_8bit=["lm_head"],
     )
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.splitlines()[-1])
     assert found["type"] == onnx.TensorProto.INT8 and found["eight"] == ["lm_head.weight_t"]
     dequantized = np.array(found["dequantized"]).reshape(64, 16)
     # The worst error within each block, relative to the block's largest |w|.
