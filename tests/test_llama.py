@@ -401,6 +401,30 @@ def test_smoothquant_keeps_the_logits_and_evens_the_activation_channels(checkpoi
         smoothing.smooth(model, ranges, 1.5)
 
 
+def _matmul_inputs_of_unknown_shape(path) -> list[str]:
+    """MatMul inputs whose shape ONNX shape inference cannot give: a backend pass that
+    keys on shapes (the QNN job's row-MatMul rewrite) would skip those MatMuls."""
+    import onnx
+    from onnx import shape_inference
+
+    model = onnx.load(str(path), load_external_data=False)
+    inferred = shape_inference.infer_shapes(model).graph
+    shaped = {
+        v.name
+        for v in [*inferred.value_info, *inferred.input, *inferred.output]
+        if v.type.tensor_type.shape.dim
+        and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
+    }
+    weights = {i.name for i in model.graph.initializer}
+    return [
+        name
+        for node in model.graph.node
+        if node.op_type == "MatMul"
+        for name in node.input
+        if name not in shaped and name not in weights
+    ]
+
+
 def test_group_offsets_keep_the_logits_and_start_each_group_at_zero(tmp_path):
     """Each projection's per-group minima move into a side matmul: the graphs still
     match transformers, every group of the main weight starts at exactly 0, and the
@@ -436,6 +460,7 @@ def test_group_offsets_keep_the_logits_and_start_each_group_at_zero(tmp_path):
     assert side.shape == (2, 32) and np.abs(side).max() > 0
     sides = [n.name for n in graph.node if n.name.endswith("/group_offsets/MatMul")]
     assert len(sides) == 21
+    assert _matmul_inputs_of_unknown_shape(tmp_path / "d" / "chunk0.onnx") == []
 
     random = llama_export.export_llama(
         make_checkpoint("smollm2", tmp_path / "random"), tmp_path / "r", variant="decode",
@@ -488,6 +513,9 @@ def test_block_centres_keep_the_logits_and_centre_each_mlp_group_on_a_signed_4bi
     sides = [n.name for n in graph.node if n.name.endswith("/group_offsets/MatMul")]
     assert len(sides) == 9 and all("/mlp/" in name for name in sides)
     assert "layers.1.self_attn.q_proj.weight_t" in weights
+    # The side matmuls' group means keep every later tensor's shape (the next layers'
+    # attention products included).
+    assert _matmul_inputs_of_unknown_shape(tmp_path / "d" / "chunk0.onnx") == []
 
 
 def test_smoothquant_export_matches_transformers_and_records_its_text(checkpoints, tmp_path):

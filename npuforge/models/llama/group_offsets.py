@@ -56,7 +56,10 @@ class GroupOffsetLinear(nn.Module):
         self.group_offsets.weight = nn.Parameter(offset * group)
 
     def forward(self, x):
-        means = x.unflatten(-1, (-1, self.group)).mean(-1)
+        # Sizes read from x trace to constants: a static Reshape. unflatten(-1, ...) exports a
+        # shape computation that ONNX shape inference cannot follow, and every tensor after
+        # it (the next layers' attention too) would lose its shape.
+        means = x.reshape(*x.shape[:-1], x.shape[-1] // self.group, self.group).mean(-1)
         return nn.functional.linear(x, self.weight, self.bias) + self.group_offsets(means)
 
 
