@@ -318,29 +318,35 @@ def test_row_matmuls_of_two_activations_become_mul_reducesum():
             helper.make_node("MatMul", ["read", "w"], ["proj"], name="proj"),
             # two rows: not a single-row product, stays a MatMul
             helper.make_node("MatMul", ["rows", "state"], ["both"], name="both"),
+            # an input of no known shape (reshaped to a runtime shape): left alone, and named
+            helper.make_node("Reshape", ["r", "runtime_shape"], ["unknown"], name="unknown"),
+            helper.make_node("MatMul", ["unknown", "state"], ["blind"], name="blind"),
         ],
         "g",
         [
             helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 1, 8]),
             helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 4, 8, 8]),
             helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, 4, 2, 8]),
+            helper.make_tensor_value_info("runtime_shape", TensorProto.INT64, ["rank"]),
         ],
         [
             helper.make_tensor_value_info("proj", TensorProto.FLOAT, [1, 4, 1, 8]),
             helper.make_tensor_value_info("both", TensorProto.FLOAT, [1, 4, 2, 8]),
+            helper.make_tensor_value_info("blind", TensorProto.FLOAT, [None] * 4),
         ],
         [weight],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     original = model.SerializeToString()
-    assert qnn_job.row_matmuls_to_mul_reducesum(model) == ["read"]
+    assert qnn_job.row_matmuls_to_mul_reducesum(model) == (["read"], ["blind"])
     onnx.checker.check_model(model)
     ops = [node.op_type for node in model.graph.node]
-    assert ops == ["Transpose", "Mul", "ReduceSum", "MatMul", "MatMul"]
+    assert ops == ["Transpose", "Mul", "ReduceSum", "MatMul", "MatMul", "Reshape", "MatMul"]
     feeds = {
         "r": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
         "state": rng.standard_normal((1, 4, 8, 8)).astype(np.float32),
         "rows": rng.standard_normal((1, 4, 2, 8)).astype(np.float32),
+        "runtime_shape": np.array([1, 4, 1, 8], np.int64),
     }
     cpu = ["CPUExecutionProvider"]
     before = ort.InferenceSession(original, providers=cpu).run(None, feeds)

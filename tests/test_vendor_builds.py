@@ -183,6 +183,7 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
     assert notes["weight_type"] == "int8" and notes["activation_type"] == "uint16"
     # every layer's wkv read-out r @ state and its state-side product (4 layers)
     assert len(notes["row_matmuls_as_mul_reducesum"]) == 8
+    assert notes["matmuls_of_activations_unshaped"] == []
     assert {"state_0_wkv", "state_0_wkv_out"} <= set(notes["kept_16bit"])
 
     def binary_bytes(manifest):

@@ -278,7 +278,7 @@ def wide_weights(model, overrides: dict, low_bits: dict, patterns: list) -> dict
     }
 
 
-def row_matmuls_to_mul_reducesum(model) -> list[str]:
+def row_matmuls_to_mul_reducesum(model) -> tuple[list[str], list[str]]:
     """Rewrite ``MatMul(a[..., 1, K], b[..., K, N])`` of two activations in place.
 
     The HTP computes a MatMul of two 16-bit activations about as if its second
@@ -286,7 +286,8 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
     agreed with the CPU on the same QDQ graph at cosine 0.993 (8-bit emulation
     of the state matches the simulator at 0.9994), and the logits fell to 0.990.
     A single-row product is the same sum as ``ReduceSum(transpose(a) * b, -2)``,
-    which the HTP computes at 16 bit. Returns the rewritten node names.
+    which the HTP computes at 16 bit. Returns the rewritten node names, and those of
+    MatMuls of two activations left alone because a shape did not infer.
     """
     import numpy as np
     from onnx import helper, numpy_helper, shape_inference
@@ -297,20 +298,15 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
         dims = value.type.tensor_type.shape.dim
         shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
     initializers = {init.name for init in model.graph.initializer}
-    nodes, rewritten = [], []
+    nodes, rewritten, unshaped = [], [], []
     for node in model.graph.node:
         a, b = (list(node.input) + ["", ""])[:2]
         sa, sb = shapes.get(a), shapes.get(b)
-        if not (
-            node.op_type == "MatMul"
-            and a not in initializers
-            and b not in initializers
-            and sa
-            and sb
-            and len(sa) >= 2
-            and len(sb) >= 2
-            and sa[-2] == 1
-        ):
+        of_activations = node.op_type == "MatMul" and not {a, b} & initializers
+        known = sa and sb and len(sa) >= 2 and len(sb) >= 2 and sa[-2] is not None
+        if of_activations and not known:
+            unshaped.append(node.name or node.output[0])
+        if not (of_activations and known and sa[-2] == 1):
             nodes.append(node)
             continue
         name = node.name or node.output[0]
@@ -326,7 +322,7 @@ def row_matmuls_to_mul_reducesum(model) -> list[str]:
         rewritten.append(name)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    return rewritten
+    return rewritten, unshaped
 
 
 def squares_to_mul(model) -> list[str]:
@@ -865,7 +861,12 @@ def quantize_graph(
     model = onnx.load(model_path, load_external_data=False)
     squares = squares_to_mul(model)
     norm_ranges = max_scaled_norm_ranges(model)
-    row_matmuls = row_matmuls_to_mul_reducesum(model)
+    row_matmuls, unshaped = row_matmuls_to_mul_reducesum(model)
+    if unshaped:
+        log(
+            f"warning: {len(unshaped)} MatMuls of two activations have no inferred shape "
+            f"(first: {unshaped[0]}) and stay MatMuls, which the HTP computes at about 8 bits"
+        )
     if row_matmuls or squares:
         rewritten = work / "rewritten.onnx"
         onnx.load_external_data_for_model(model, str(Path(model_path).parent))
@@ -959,6 +960,7 @@ def quantize_graph(
         "squares_as_mul": len(squares),
         # Two-activation MatMuls the HTP would run at 16x8 bits, now 16-bit Mul + ReduceSum.
         "row_matmuls_as_mul_reducesum": row_matmuls,
+        "matmuls_of_activations_unshaped": unshaped,
     }
 
 
