@@ -835,8 +835,9 @@ OUT_OF_MEMORY = (
 
 
 def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str:
-    """One line for a failed toolchain job: out of memory, a crash (killed by a signal:
-    a negative exit code natively, 128 + the signal from a container engine), or an error."""
+    """One line for a failed toolchain job: out of memory, a stop from outside (SIGTERM),
+    a crash (killed by a signal: a negative exit code natively, 128 + the signal from a
+    container engine), or an error."""
     import signal
 
     what = f"{stamp['backend']} job"
@@ -844,6 +845,8 @@ def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str
     number = -returncode if returncode < 0 else 0
     if stamp.get("runtime") in CONTAINER_RUNTIMES and 128 < returncode < 128 + 65:
         number = returncode - 128
+    elif returncode == 128 + signal.SIGTERM:  # a native job's own exit on SIGTERM
+        number = signal.SIGTERM
     try:
         name = signal.Signals(number).name if number else None
     except ValueError:
@@ -858,6 +861,11 @@ def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str
             f"{what} ran out of memory in the {stamp['runtime']} toolchain ({said}); raise the "
             "target's compile_mem_mb in targets.yaml (the memory its compile jobs reserve) and "
             f"build where that much is free, or run fewer jobs at once (--cores){where}"
+        )
+    if name == "SIGTERM":
+        return (
+            f"{what} was stopped from outside (signal SIGTERM) in the {stamp['runtime']} "
+            f"toolchain after: {_last_line(output)}; rerun the build to finish it{where}"
         )
     if name:
         return (

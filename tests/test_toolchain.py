@@ -131,6 +131,24 @@ def test_failed_job_raises_its_error_line(tmp_path):
     assert "progress line" in (tmp_path / "job.log").read_text()
 
 
+@pytest.mark.parametrize(
+    "runtime, returncode, says",
+    [
+        # a native job exits 143 through job_stage.exit_on_sigterm's cleanup
+        ("native", 128 + signal.SIGTERM, "was stopped from outside (signal SIGTERM)"),
+        ("podman", 128 + signal.SIGTERM, "was stopped from outside (signal SIGTERM)"),
+        ("native", -signal.SIGSEGV, "crashed (signal SIGSEGV)"),
+        ("podman", 128 + signal.SIGSEGV, "crashed (signal SIGSEGV)"),
+        # natively, 139 is only an exit code
+        ("native", 128 + signal.SIGSEGV, "failed in the native toolchain: compiling"),
+    ],
+)
+def test_a_job_ended_by_a_signal_is_named(runtime, returncode, says):
+    stamp = {"backend": "qnn", "runtime": runtime}
+    message = toolchain.job_failure(stamp, returncode, "compiling graph 3 of 9\n")
+    assert says in message and "\n" not in message
+
+
 def test_a_quiet_job_is_reported_while_it_runs():
     import io
 
