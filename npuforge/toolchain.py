@@ -186,7 +186,7 @@ DISK_FULL = "No space left on device"
 
 def disk_full(what: str, output: str) -> str | None:
     """One line for a step that filled the disk, naming where the space goes."""
-    if DISK_FULL not in output:
+    if DISK_FULL.lower() not in output.lower():  # podman's Go errors say it in lower case
         return None
     return (
         f"{what} ran out of disk space ({DISK_FULL}): free space for the machine's cache "

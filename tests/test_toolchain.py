@@ -512,6 +512,20 @@ def test_a_job_that_fills_the_disk_says_so_in_one_line(tmp_path):
     assert str(toolchain.cache_root()) in message and "\n" not in message
 
 
+def test_an_image_build_that_fills_the_disk_says_so_in_one_line(tmp_path):
+    # What podman printed when a layer commit found the container store full.
+    said = (
+        "Error: committing container for step {...}: writing blob: processing tar file"
+        "(write /opt/toolchain/lib/x.bmodel: no space left on device): exit status 1"
+    )
+    command = [sys.executable, "-c", f"import sys; print({said!r}); sys.exit(1)"]
+    with open(tmp_path / "build.log", "w") as log, pytest.raises(NpuforgeError) as raised:
+        toolchain._run(command, log=log, what="building image localhost/npuforge-toy:1")
+    message = str(raised.value)
+    assert message.startswith("building image localhost/npuforge-toy:1 ran out of disk space")
+    assert "container store" in message and "\n" not in message
+
+
 def test_a_toolchain_build_the_disk_cannot_hold_does_not_start(
     tmp_path, private_cache, monkeypatch
 ):
