@@ -216,6 +216,17 @@ def calibration_text_digest():
     return digest.hexdigest()
 
 
+def step_code(script):
+    # The step CLI's source and the npuforge modules it imports, as a params value: a
+    # code change reruns the step and misses the output cache (--rerun-triggers mtime
+    # input opts out while developing).
+    from npuforge.step_code import step_code_digest
+
+    return step_code_digest(
+        Path(workflow.basedir) / "workflow_scripts" / f"{script}.py", workflow.basedir
+    )
+
+
 def calibration_dir(model, key):
     return f"{RESULTS}/calibration/{model}/{key}"
 
