@@ -17,6 +17,7 @@ rule bench:
         # sharing it would measure each other.
         adb_device=1,
     params:
+        code=step_code("bench_device"),
         device=config["device"],
         prompt=config["bench"]["prompt"],
         max_new_tokens=config["bench"]["max_new_tokens"],

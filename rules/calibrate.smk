@@ -14,6 +14,7 @@ rule calibrate:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
+        code=step_code("make_calibration_samples"),
         samples=lambda w: PLAN.calibration_samples(
             w.model, config["calibration"]["samples"]
         ),

@@ -11,6 +11,7 @@ rule prepare_toolchain:
     resources:
         mem_mb=4000,
     params:
+        code=step_code("prepare_toolchain"),
         options=lambda w: as_json(toolchain_options(w.backend)),
         definition=lambda w: toolchain_definition(w.backend),
     shell:
@@ -32,6 +33,7 @@ rule compile:
     resources:
         mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
     params:
+        code=step_code("compile"),
         options=compile_options,
         paths=compile_paths,
     shell:

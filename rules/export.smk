@@ -16,6 +16,7 @@ rule export:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
+        code=step_code("export_onnx"),
         options=lambda w: export_options_json(w.model, w.key),
     shell:
         "python workflow_scripts/export_onnx.py --checkpoint {input.checkpoint} --options {params.options:q} --out-dir {output} > {log} 2>&1"

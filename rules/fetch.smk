@@ -14,6 +14,7 @@ rule fetch:
     resources:
         mem_mb=2000,
     params:
+        code=step_code("fetch_model"),
         source=lambda w: as_json(MODELS[w.model]["source"]),
         source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
@@ -37,6 +38,7 @@ rule fetch_tree:
     resources:
         mem_mb=2000,
     params:
+        code=step_code("fetch_model"),
         source=lambda w: as_json(MODELS[w.model]["source"]),
         source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
@@ -62,6 +64,8 @@ rule dequantize:
     threads: 1
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        code=step_code("dequantize_gguf"),
     shell:
         "python workflow_scripts/dequantize_gguf.py --gguf {input} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
@@ -79,6 +83,7 @@ rule inspect:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
+        code=step_code("inspect_checkpoint"),
         arch=lambda w: as_json(MODELS[w.model]["arch"]),
         family=lambda w: MODELS[w.model]["family"],
     shell:

@@ -17,6 +17,7 @@ rule package:
     resources:
         mem_mb=1000,
     params:
+        code=step_code("package_release"),
         options=package_options,
         paths=package_paths,
     shell:

@@ -9,6 +9,8 @@ rule tokenizer:
     threads: 1
     resources:
         mem_mb=1000,
+    params:
+        code=step_code("convert_tokenizer"),
     shell:
         "python workflow_scripts/convert_tokenizer.py --out {output} > {log} 2>&1"
 
@@ -26,6 +28,8 @@ rule tokenizer_hf:
     threads: 1
     resources:
         mem_mb=1000,
+    params:
+        code=step_code("convert_tokenizer"),
     shell:
         "python workflow_scripts/convert_tokenizer.py --hf-checkpoint {input.checkpoint} --out {output} > {log} 2>&1"
 
@@ -45,6 +49,7 @@ rule heldout:
     resources:
         mem_mb=1000,
     params:
+        code=step_code("tokenize_heldout"),
         family=lambda w: MODELS[w.model]["family"],
         vocab=lambda w: MODELS[w.model]["arch"]["vocab"],
     shell:

@@ -17,6 +17,7 @@ rule verify_onnx:
     resources:
         mem_mb=lambda w: export_mem_mb(w.model),
     params:
+        code=step_code("verify_onnx"),
         tokens=config["verify"]["tokens"],
         exports=lambda w, input: " ".join(f"--export {d}" for d in input.exports),
     shell:

@@ -228,6 +228,18 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     again = snakemake(workflow, check=True)
     assert "Nothing to be done" in again.stdout + again.stderr
 
+    # A code change reruns the steps (an edit to a backend the default target does not
+    # use, too: every step digests the whole package); undone, nothing is out of date.
+    backend = workflow / "npuforge" / "backends" / "qnn.py"
+    source = backend.read_text()
+    backend.write_text(source + "# an edit to the package\n")
+    dry = snakemake(workflow, "--dry-run")
+    output = dry.stdout + dry.stderr
+    assert "Params have changed" in output
+    assert {"export", "compile", "package"} <= set(job_counts(output)), output[-3000:]
+    backend.write_text(source)
+    assert "Nothing to be done" in snakemake(workflow, "--dry-run").stdout
+
     # A second target with the same export needs but its own option: only its jobs run.
     one_target_jobs = {  # what a rebuild of one target plans
         "compile": 1,
