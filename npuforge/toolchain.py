@@ -313,21 +313,29 @@ def _prepare_native(backend, repo_root, target_options, log) -> dict:
 BUILD_HEADROOM = 0.5
 
 
-def check_free_space(backend: str, where: Path) -> None:
+def check_free_space(backend: str, where: Path, *, layer_copies: int = 1) -> None:
     """Refuse to start a toolchain build that the disk under ``where`` cannot hold: the
-    backend's measured size (``TOOLCHAIN_SIZE_MB``) plus pip's headroom."""
+    backend's measured size (``TOOLCHAIN_SIZE_MB``) ``layer_copies`` times (an image
+    build holds it twice while the engine commits the container's layer) plus pip's
+    headroom."""
     size_mb = getattr(_backend_module(backend), "TOOLCHAIN_SIZE_MB", 0)
-    need_mb = int(size_mb * (1 + BUILD_HEADROOM))
+    need_mb = int(size_mb * (layer_copies + BUILD_HEADROOM))
     existing = Path(where)
     while not existing.exists():
         existing = existing.parent
     free_mb = shutil.disk_usage(existing).free // 2**20
     if free_mb < need_mb:
+        held = "" if layer_copies == 1 else f", {layer_copies} copies while an image commits"
         raise NpuforgeError(
             f"building the {backend} toolchain needs about {need_mb / 1024:.1f} GB free in "
-            f"{existing} ({size_mb / 1024:.1f} GB once installed, plus what pip unpacks) and "
-            f"{free_mb / 1024:.1f} GB are: free space there and run again"
+            f"{existing} ({size_mb / 1024:.1f} GB once installed{held}, plus what pip "
+            f"unpacks) and {free_mb / 1024:.1f} GB are: free space there and run again"
         )
+
+
+# An image build's peak: the container's layer and the committed copy of it (podman
+# filled the disk there, "writing blob: adding layer", with 1.5x the size free).
+IMAGE_LAYER_COPIES = 2
 
 
 def _image_store(engine: str) -> Path:
@@ -406,7 +414,7 @@ def _prepare_container(backend, engine, repo_root, target_options, log) -> dict:
     evict_older_images(backend, engine, image, log)
 
     def build():
-        check_free_space(backend, _image_store(engine))
+        check_free_space(backend, _image_store(engine), layer_copies=IMAGE_LAYER_COPIES)
         _build_image(backend, engine, image, repo_root, target_options, log)
 
     # Another checkout may be building the same image: the second waits, then reuses it.

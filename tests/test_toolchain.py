@@ -541,6 +541,18 @@ def test_a_toolchain_build_the_disk_cannot_hold_does_not_start(
     assert not [p for p in (private_cache / "toolchains").iterdir() if p.is_dir()]
 
 
+def test_an_image_build_needs_room_for_its_layer_twice(tmp_path, monkeypatch):
+    import types
+
+    free_mb = shutil.disk_usage(tmp_path).free // 2**20
+    half = types.SimpleNamespace(TOOLCHAIN_SIZE_MB=free_mb // 2)
+    monkeypatch.setattr(toolchain, "_backend_module", lambda backend: half)
+    # A venv of half the free space fits with pip's headroom; an image of it does not.
+    toolchain.check_free_space("toy", tmp_path)
+    with pytest.raises(NpuforgeError, match=r"needs about [\d.]+ GB .*2 copies while an image"):
+        toolchain.check_free_space("toy", tmp_path, layer_copies=toolchain.IMAGE_LAYER_COPIES)
+
+
 def test_a_stamp_records_the_toolchain_options_from_a_dict_or_a_backends_typed_options():
     import types
 
