@@ -220,9 +220,13 @@ def test_calibration_and_combine_commands():
         "8",
         "--processor",
         "bm1688",
+        "--cali_method",
+        "kl",
         "-o",
         "/w/t",
     ]
+    maxed = tpumlir.calibration_command("/w/d.mlir", "/w/l.txt", 8, "bm1688", "/w/t", "max")
+    assert maxed[maxed.index("--cali_method") + 1] == "max"
     assert tpumlir.combine_command(["/w/decode.bmodel", "/w/prefill.bmodel"], "/o/m.bmodel") == [
         "model_tool",
         "--combine",
@@ -396,8 +400,13 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     assert "int8" not in tpumlir.gate_hint("w4f16")
     with pytest.raises(NpuforgeError, match="only with int8_weight_matmuls_only: true"):
         _options("bm1688", int8_f16_named=["head"])
+    with pytest.raises(NpuforgeError, match="int8_calibration_method 'entropy' is not one of"):
+        _options("bm1688", int8_calibration_method="entropy")
     calibration = _write_calibration(tmp_path / "calib", exports)
-    options = _options("bm1688", int8_weight_matmuls_only=True, int8_state_path="BF16")
+    options = _options(
+        "bm1688", int8_weight_matmuls_only=True, int8_state_path="BF16",
+        int8_calibration_method="mse",
+    )  # fmt: skip
     spec = _spec(
         [exports / "decode"], "bm1688", "int8", tmp_path, calibrations=calibration,
         options=options,
@@ -410,6 +419,8 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     assert set(table) == set(names) | set(recurrence)
     assert {table[name] for name in recurrence} == {"BF16"}
     assert {table[name] for name in set(names) - set(recurrence)} == {"F16"}
+    calibrate = next(s for s in spec["steps"] if s["name"] == "decode:run_calibration")
+    assert calibrate["argv"][calibrate["argv"].index("--cali_method") + 1] == "mse"
 
 
 @pytest.fixture(scope="module")

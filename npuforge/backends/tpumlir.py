@@ -25,6 +25,7 @@ from npuforge import backends
 from npuforge.backends import base
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.backends.tpumlir_commands import (
+    CALIBRATION_METHODS,
     DEFAULT_Q_GROUP_SIZE,
     calibration_command,
     combine_command,
@@ -120,12 +121,21 @@ class Options(base.CommonOptions):
     # int8_f16_named: weight matmuls whose node name contains one of these stay F16 too.
     int8_weight_matmuls_only: bool = False
     int8_f16_named: list | None = None
+    # How run_calibration picks each INT8 threshold (--cali_method; TPU-MLIR's kl clips
+    # a histogram's tail, max keeps every outlier, mse weighs both).
+    int8_calibration_method: str = "kl"
 
     def __post_init__(self):
         if self.processor.lower() not in PROCESSORS:
             raise NpuforgeError(
                 f"TPU-MLIR processor '{self.processor}' is not supported: set options.processor "
                 f"in targets.yaml to one of {', '.join(PROCESSORS)}"
+            )
+        if self.int8_calibration_method not in CALIBRATION_METHODS:
+            raise NpuforgeError(
+                f"TPU-MLIR int8_calibration_method '{self.int8_calibration_method}' is not "
+                f"one of {', '.join(CALIBRATION_METHODS)}: set options.int8_calibration_method "
+                f"in targets.yaml to one of them"
             )
         if self.int8_f16_named and not self.int8_weight_matmuls_only:
             raise NpuforgeError(
@@ -314,7 +324,14 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
                     "graph": variant,
                     "stage": "calibration",
                     "cwd": str(gdir),
-                    "argv": calibration_command(mlir, data_list, len(samples), chip, table),
+                    "argv": calibration_command(
+                        mlir,
+                        data_list,
+                        len(samples),
+                        chip,
+                        table,
+                        options.int8_calibration_method,
+                    ),
                     "expects": [str(table)],
                 }
             )

@@ -54,7 +54,12 @@ def transform_command(name, onnx_path, inputs, test_input, test_result, mlir) ->
     ]
 
 
-def calibration_command(mlir, data_list, samples, chip, table) -> list[str]:
+# run_calibration.py --cali_method choices (TPU-MLIR 1.30): how a tensor's INT8
+# threshold is chosen from its histogram over the samples; kl is the tool's default.
+CALIBRATION_METHODS = ("kl", "mse", "max", "percentile9999", "aciq_laplace", "aciq_gauss")
+
+
+def calibration_command(mlir, data_list, samples, chip, table, method="kl") -> list[str]:
     """run_calibration.py: INT8 thresholds from .npz samples listed one per line."""
     return [
         "run_calibration.py",
@@ -65,6 +70,8 @@ def calibration_command(mlir, data_list, samples, chip, table) -> list[str]:
         str(int(samples)),
         "--processor",
         chip,
+        "--cali_method",
+        method,
         "-o",
         str(table),
     ]
