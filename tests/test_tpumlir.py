@@ -1351,3 +1351,20 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
     assert ran.returncode != 0
     assert "decode:model_deploy failed" in ran.stderr
     assert json.loads((tmp_path / "strict.json").read_text())["steps"][0]["passed"] is False
+
+
+def test_a_failed_steps_log_is_echoed_last(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("00_decode_model_transform", "02_decode_model_deploy", "04_prefill_cali"):
+        (logs / f"{name}.log").write_text(f"output of {name}\n")
+    (tmp_path / "toolchain.log").write_text("toolchain output\n")
+    step_log = logs / "02_decode_model_deploy.log"
+    error = f"error: TPU-MLIR step decode:model_deploy failed: ... (log {step_log})"
+    tpumlir._echo_logs(tmp_path / "toolchain.log", logs, error)
+    echoed = capsys.readouterr().err.splitlines()
+    assert echoed[-2:] == [
+        "--- 02_decode_model_deploy.log (last 60 lines)",
+        "output of 02_decode_model_deploy",
+    ]
+    assert echoed[0] == "--- toolchain.log (last 60 lines)"

@@ -539,9 +539,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         job = dataclasses.replace(request, log_path=log)
         try:
             base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only, writable=[str(tmp)])
-        except NpuforgeError:
+        except NpuforgeError as failed:
             # The temporary directory goes away with the failure: keep the tools' output.
-            _echo_logs(log, work / "logs")
+            _echo_logs(log, work / "logs", str(failed))
             raise
         result = read_json(spec["result"])
         pinned = pin_build_time(spec["bmodel"])
@@ -580,8 +580,12 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     return record
 
 
-def _echo_logs(toolchain_log: Path, tool_logs: Path, tail: int = 60) -> None:
-    for log in [toolchain_log, *sorted(tool_logs.glob("*.log"))]:
+def _echo_logs(toolchain_log: Path, tool_logs: Path, error: str, tail: int = 60) -> None:
+    """Each log's tail to stderr; the failed step's (the error names it) last, where a
+    reader of the step's log looks first."""
+    logs = [toolchain_log, *sorted(tool_logs.glob("*.log"))]
+    logs.sort(key=lambda log: log.name in error)  # stable: the rest keep their order
+    for log in logs:
         if log.is_file():
             lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
             print(f"--- {log.name} (last {tail} lines)", file=sys.stderr)
