@@ -217,9 +217,9 @@ def calibration_text_digest():
 
 
 def step_code(script):
-    # The step CLI's source and the npuforge modules it imports, as a params value: a
-    # code change reruns the step and misses the output cache (--rerun-triggers mtime
-    # input opts out while developing).
+    # The step CLI's source and the whole npuforge package, as a params value: a code
+    # change reruns the step and misses the output cache (--rerun-triggers mtime input
+    # opts out while developing).
     from npuforge.step_code import step_code_digest
 
     return step_code_digest(
