@@ -18,6 +18,16 @@ def sha256_file(path, chunk_size: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def files_digest(root, files) -> str:
+    """sha256 over each file's name relative to ``root`` and its bytes' sha256, in the
+    given order: a params value that changes with any of the files' content."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{Path(path).relative_to(root)}\0".encode())
+        digest.update(hashlib.sha256(Path(path).read_bytes()).digest())
+    return digest.hexdigest()
+
+
 def dumps_json(data) -> str:
     """Stable JSON text: sorted keys, two-space indent, trailing newline."""
     return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

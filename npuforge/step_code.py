@@ -8,8 +8,9 @@ job scripts run by path in a toolchain), and a narrower set that missed one modu
 would reuse a stale artifact.
 """
 
-import hashlib
 from pathlib import Path
+
+from npuforge.fileio import files_digest
 
 PACKAGE = "npuforge"
 
@@ -28,8 +29,4 @@ def step_sources(script: Path, checkout: Path) -> list[Path]:
 def step_code_digest(script: Path, checkout: Path) -> str:
     """sha256 over the checkout-relative names and bytes of ``step_sources``."""
     checkout = Path(checkout).resolve()
-    digest = hashlib.sha256()
-    for path in step_sources(script, checkout):
-        digest.update(f"{path.relative_to(checkout)}\0".encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
+    return files_digest(checkout, step_sources(script, checkout))

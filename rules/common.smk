@@ -1,4 +1,3 @@
-import hashlib
 import json
 import shlex
 import sys
@@ -38,6 +37,7 @@ else:
 
 from npuforge.calibration_formats import LAYOUT as CALIBRATION_LAYOUT
 from npuforge.errors import NpuforgeError
+from npuforge.fileio import files_digest
 from npuforge.matrix import (
     REFERENCE_BACKEND,
     check_toolchains,
@@ -208,12 +208,7 @@ def calibration_text_digest():
         root, files = path, sorted(path.rglob("*.txt"))
     else:
         root, files = path.parent, [path]
-    digest = hashlib.sha256()
-    for file in files:
-        if file.is_file():
-            digest.update(f"{file.relative_to(root)}\0".encode())
-            digest.update(hashlib.sha256(file.read_bytes()).digest())
-    return digest.hexdigest()
+    return files_digest(root, [file for file in files if file.is_file()])
 
 
 def step_code(script):
