@@ -32,6 +32,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -688,6 +689,29 @@ def test_job_runs_the_nets_side_by_side_then_combines(tmp_path, capsys):
         path.unlink()
     with pytest.raises(SystemExit, match="the other net never ran beside this one"):
         job.run({**spec, "parallel_nets": 1})
+
+
+def test_nets_starting_at_once_say_so_on_lines_of_their_own(tmp_path, monkeypatch):
+    """print writes a line and its newline apart: a slow stream lets the other chain's
+    line in between, as it once did in a BM1688 log ("...model_transformTPU-MLIR step")."""
+    import io
+
+    class SlowStream(io.StringIO):
+        def write(self, text):
+            written = super().write(text)
+            if not text.endswith("\n"):
+                time.sleep(0.3)  # the newline comes late
+            return written
+
+    said = SlowStream()
+    monkeypatch.setattr(sys, "stdout", said)
+    marks = {net: tmp_path / f"{net}.started" for net in ("decode", "prefill")}
+    job.run(_side_by_side_spec(tmp_path, [
+        _waiting_step(tmp_path, "decode", marks["decode"], marks["prefill"]),
+        _waiting_step(tmp_path, "prefill", marks["prefill"], marks["decode"]),
+    ]))  # fmt: skip
+    steps = [line for line in said.getvalue().splitlines() if "TPU-MLIR step" in line]
+    assert len(steps) == 2 and all(line.count("TPU-MLIR step") == 1 for line in steps)
 
 
 def test_a_failing_net_stops_the_job_before_any_later_step(tmp_path):

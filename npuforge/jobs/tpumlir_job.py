@@ -173,10 +173,12 @@ class _Steps:
 
     def run_step(self, index: int, step: dict) -> None:
         # The tools write to their own logs: say which ones run, for the step's log.
+        # Under the lock: print writes the line and its newline apart, so two chains'
+        # lines printed at once would run together.
         with self.lock:
             beside = f" (beside {', '.join(sorted(self.running))})" if self.running else ""
             self.running.add(step["name"])
-        print(f"TPU-MLIR step {index + 1}/{self.total}: {step['name']}{beside}", flush=True)
+            print(f"TPU-MLIR step {index + 1}/{self.total}: {step['name']}{beside}", flush=True)
         Path(step["cwd"]).mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{index:02d}_{step['name'].replace(':', '_')}.log"
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
