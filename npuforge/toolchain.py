@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -744,18 +745,27 @@ def _stop(process, grace_s: float = 30.0) -> None:
             continue
 
 
+# The lines our jobs print to say what they are doing (qnn_job's log, tpumlir_job's
+# steps and verify calls): a vendor library's warning printed after one is not the stage.
+JOB_STAGE_LINE = re.compile(r"^(\[qnn_job\] |TPU-MLIR step |verify: call )")
+
+
 def _report_until_done(process, reader, out, what: str, quiet_s: float):
     """Echo the job's output as it comes, and a line after every ``quiet_s`` seconds of
     silence; return (exit code, output) once it ends."""
     chunks, pending = [], b""
     start = last = time.monotonic()
+    stage = ""
 
     def echo(data: bytes):
-        nonlocal pending
+        nonlocal pending, stage
         pending += data
         *complete, pending = pending.split(b"\n")
         for line in complete:
-            out.write(line.decode(errors="replace") + "\n")
+            text = line.decode(errors="replace")
+            out.write(text + "\n")
+            if JOB_STAGE_LINE.match(text):
+                stage = text.strip()[:120]
         out.flush()
 
     while True:
@@ -772,8 +782,9 @@ def _report_until_done(process, reader, out, what: str, quiet_s: float):
             last = now
         elif not finished and now - last >= quiet_s:
             said = b"".join(chunks).strip().rsplit(b"\n", 1)[-1][:120].decode(errors="replace")
+            at = f"at: {stage}; " if stage and stage != said else ""
             out.write(
-                f"{what} running for {now - start:.0f} s (last output: {said or 'none yet'})\n"
+                f"{what} running for {now - start:.0f} s ({at}last output: {said or 'none yet'})\n"
             )
             out.flush()
             last = now

@@ -168,6 +168,27 @@ def test_a_quiet_job_is_reported_while_it_runs():
     assert all(b.endswith("(last output: quantizing)") for b in beats)
 
 
+def test_a_quiet_jobs_report_names_its_stage_beside_a_later_library_warning():
+    import io
+
+    out = io.StringIO()
+    quiet = (
+        "import time; print('[qnn_job] generating the HTP context of decode.onnx'); "
+        "print('libnative: warning: unused option', flush=True); time.sleep(0.8)"
+    )
+    toolchain._run_reporting(
+        [sys.executable, "-c", quiet], None, None, "qnn job", quiet_s=0.3, out=out
+    )
+    beats = [line for line in out.getvalue().splitlines() if "running for" in line]
+    assert beats and all(
+        b.endswith(
+            "(at: [qnn_job] generating the HTP context of decode.onnx; "
+            "last output: libnative: warning: unused option)"
+        )
+        for b in beats
+    )
+
+
 STOPPABLE_JOB_PY = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
