@@ -403,12 +403,13 @@ def fake_toolchain(cache: Path, job: str) -> Path:
 
 def real_rknn_python(tmp_path):
     """The machine's native rknn venv, built from the lock first where it is not yet (on a
-    fresh machine this test runs before any RK3588 build); None where it cannot run."""
+    fresh machine this test runs before any RK3588 build); skips where it cannot run."""
     from npuforge import toolchain
 
     options = {"target_platform": "rk3588"}
-    if toolchain.unavailable_reason("rknn", "native", options):
-        return None
+    reason = toolchain.unavailable_reason("rknn", "native", options)
+    if reason:
+        pytest.skip(f"needs the native rknn toolchain: {reason}")
     stamp = toolchain.prepare(
         "rknn", "native", tmp_path / "rknn-native.json", target_options=options
     )
@@ -566,8 +567,6 @@ def test_bad_input_found_by_a_job_is_one_clean_line(name, workflow, tmp_path):
     extra = {"HOME": str(tmp_path / "home"), "NPUFORGE_CACHE": str(tmp_path / "cache")}
     if case.get("needs_rknn"):
         rknn = real_rknn_python(tmp_path)
-        if rknn is None:
-            pytest.skip("needs the native rknn toolchain, which cannot run here")
         case = {**case, "toolchain": case["toolchain"].replace("@RKNN@", str(rknn))}
     if "toolchain" in case:
         fake_toolchain(tmp_path / "cache", case["toolchain"])
