@@ -84,6 +84,35 @@ def snakemake(workdir: Path, *args, check=False, env=None) -> subprocess.Complet
     return result
 
 
+def rknn_stamp(scratch: Path, built_at: Path | None = None) -> tuple[Path | None, str]:
+    """The rknn toolchain stamp the real-toolkit tests run with, or (None, why not):
+    $NPUFORGE_RKNN_STAMP; a stamp naming $NPUFORGE_RKNN_PYTHON (written in ``scratch``);
+    this checkout's results/toolchains/rknn-native.json; else the machine's native venv,
+    built from the lock where none is yet (a fresh machine), stamped at ``built_at``
+    (default: in ``scratch``). A failed build raises NpuforgeError."""
+    from npuforge import toolchain
+    from npuforge.fileio import write_json
+
+    if os.environ.get("NPUFORGE_RKNN_STAMP"):
+        return Path(os.environ["NPUFORGE_RKNN_STAMP"]), ""
+    python = os.environ.get("NPUFORGE_RKNN_PYTHON")
+    if python:
+        stamp = scratch / "rknn-native.json"
+        write_json(stamp, {"backend": "rknn", "runtime": "native", "python": python,
+                           "versions": {"rknn-toolkit2": "2.5.0"}})  # fmt: skip
+        return stamp, ""
+    default = REPO / "results" / "toolchains" / "rknn-native.json"
+    if default.is_file():
+        return default, ""
+    options = {"target_platform": "rk3588"}
+    reason = toolchain.unavailable_reason("rknn", "native", options)
+    if reason:
+        return None, f"no rknn toolchain: {reason}"
+    stamp = built_at or scratch / "rknn-native.json"
+    toolchain.prepare("rknn", "native", stamp, target_options=options)
+    return stamp, ""
+
+
 @pytest.fixture
 def workflow(tmp_path) -> Path:
     """A private copy of the workflow to run snakemake in."""

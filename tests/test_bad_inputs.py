@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, script_env, snakemake
+from conftest import REPO, rknn_stamp, script_env, snakemake
 
 from npuforge.settings import RUN_LOCK
 
@@ -402,18 +402,12 @@ def fake_toolchain(cache: Path, job: str) -> Path:
 
 
 def real_rknn_python(tmp_path):
-    """The machine's native rknn venv, built from the lock first where it is not yet (on a
-    fresh machine this test runs before any RK3588 build); skips where it cannot run."""
-    from npuforge import toolchain
-
-    options = {"target_platform": "rk3588"}
-    reason = toolchain.unavailable_reason("rknn", "native", options)
-    if reason:
-        pytest.skip(f"needs the native rknn toolchain: {reason}")
-    stamp = toolchain.prepare(
-        "rknn", "native", tmp_path / "rknn-native.json", target_options=options
-    )
-    return Path(stamp["python"])
+    """The rknn venv's python, built from the lock where none is yet (on a fresh machine
+    this test runs before any RK3588 build); skips where rknn cannot run."""
+    stamp, reason = rknn_stamp(tmp_path)
+    if stamp is None:
+        pytest.skip(reason)
+    return Path(json.loads(stamp.read_text())["python"])
 
 
 RUN_CASES = {

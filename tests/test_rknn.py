@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, rknn_stamp
 
 from npuforge.backends import rknn
 from npuforge.backends.base import CompileRequest
 from npuforge.errors import NpuforgeError
 
-REPO = Path(__file__).resolve().parents[1]
 RK3588 = {"target_platform": "rk3588", "optimization_level": 3, "memory_budget_gb": 8}
 
 
@@ -346,34 +346,17 @@ def test_failed_job_leaves_no_artifact_and_one_line(export_dir, tmp_path):
 
 
 def _toolchain_stamp(tmp_path_factory) -> Path:
-    stamp = os.environ.get("NPUFORGE_RKNN_STAMP")
-    if stamp:
-        return Path(stamp)
-    python = os.environ.get("NPUFORGE_RKNN_PYTHON")
-    if python:
-        from npuforge.fileio import write_json
-
-        path = tmp_path_factory.mktemp("toolchain") / "rknn-native.json"
-        write_json(path, {"backend": "rknn", "runtime": "native", "python": python,
-                          "versions": {"rknn-toolkit2": "2.5.0"}})  # fmt: skip
-        return path
+    # Built where none is yet, at the path the workflow stamps it (later tests find it).
     default = REPO / "results" / "toolchains" / "rknn-native.json"
-    if default.is_file():
-        return default
-    # Build the native toolchain the way the workflow does (the same stamp path).
-    from npuforge import toolchain
-
-    options = {"target_platform": "rk3588"}
-    reason = toolchain.unavailable_reason("rknn", "native", options)
-    if reason:
-        pytest.skip(f"no rknn toolchain: {reason}")
     try:
-        toolchain.prepare("rknn", "native", default, target_options=options)
+        stamp, reason = rknn_stamp(tmp_path_factory.mktemp("toolchain"), built_at=default)
     except NpuforgeError as err:
         if os.environ.get("CI"):
             raise  # CI installs from the lock: a broken lock must fail there
         pytest.skip(f"could not build the rknn toolchain from envs/rknn/requirements.lock: {err}")
-    return default
+    if stamp is None:
+        pytest.skip(reason)
+    return stamp
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, script_env, snakemake
+from conftest import REPO, rknn_stamp, script_env, snakemake
 
 EXTRA_TARGETS = {
     # Reference-backend targets with different needs: no vendor toolchain required.
@@ -454,33 +454,6 @@ def test_llama_onnx_build_verifies_and_bundles(workflow):
     (export,) = manifest["inputs"]["exports"]
     assert export["export"]["cache_len"] == 64 and export["export"]["options"]["sha"] is False
     assert (bundle.parent / "fp32.tar.gz").is_file()
-
-
-def rknn_stamp(tmp_path) -> tuple[Path | None, str]:
-    """An rknn toolchain stamp (as tests/test_rknn.py finds or builds one), or why there is none."""
-    from npuforge.fileio import write_json
-
-    if os.environ.get("NPUFORGE_RKNN_STAMP"):
-        return Path(os.environ["NPUFORGE_RKNN_STAMP"]), ""
-    python = os.environ.get("NPUFORGE_RKNN_PYTHON")
-    if python:
-        stamp = tmp_path / "rknn-native.json"
-        write_json(stamp, {"backend": "rknn", "runtime": "native", "python": python,
-                           "versions": {"rknn-toolkit2": "2.5.0"}})  # fmt: skip
-        return stamp, ""
-    default = REPO / "results" / "toolchains" / "rknn-native.json"
-    if default.is_file():
-        return default, ""
-    # None yet (this test alone, or before tests/test_rknn.py): build it from the lock.
-    from npuforge import toolchain
-
-    options = {"target_platform": "rk3588"}
-    reason = toolchain.unavailable_reason("rknn", "native", options)
-    if reason:
-        return None, f"no rknn toolchain: {reason}"
-    stamp = tmp_path / "rknn-native.json"
-    toolchain.prepare("rknn", "native", stamp, target_options=options)
-    return stamp, ""
 
 
 def test_llama_rk3588_fp16_build_verifies_and_bundles(workflow, tmp_path):
