@@ -1,9 +1,12 @@
 """The fixed-path stage that vendor jobs compile from: its lock and its cleanup."""
 
 import os
+import platform
 import subprocess
 import sys
 import time
+
+import pytest
 
 from npuforge.jobs import job_stage
 
@@ -66,3 +69,69 @@ def test_a_stopped_job_removes_its_stage(tmp_path):
         job.kill()
     assert job.returncode == 128 + 15
     assert os.listdir(tmp_path) == []
+
+
+# Where glibc serves a 1 MiB block after an 8 MiB mapped block is freed: from the heap
+# once freeing it raised the mmap threshold (glibc's default), from a mapping of its own
+# while the threshold stays fixed.
+THRESHOLD_PROBE = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))
+block = libc.malloc(1 << 20)
+with open("/proc/self/maps") as maps:
+    heap = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
+low, high = (int(x, 16) for x in heap[0].split("-"))
+print("heap" if low <= block < high else "mapped")
+"""
+
+
+def _block_source(env: dict) -> str:
+    run = subprocess.run(
+        [sys.executable, "-c", THRESHOLD_PROBE], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
+def test_a_qnn_chunk_process_runs_with_a_fixed_mmap_threshold():
+    """A QAIRT thread freeing a mapped block moved glibc's threshold at a time of its
+    own: about one context build in four came out with other padding bytes."""
+    import qnn_job
+
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    assert _block_source(base) == "heap"  # glibc's default: the threshold moves
+    env = qnn_job.chunk_env({**base, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"})
+    assert job_stage.MMAP_THRESHOLD in env["GLIBC_TUNABLES"].split(":")
+    assert _block_source(env) == "mapped"
+    assert job_stage.tunable(env["GLIBC_TUNABLES"], "glibc.malloc.mmap_threshold") == "131072"
+
+
+RELAYED = """
+import os, stat, sys
+sys.path.insert(0, sys.argv[1])
+import job_stage
+if len(sys.argv) > 2:
+    kinds = [stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in (1, 2)]
+    print("out", kinds, flush=True)
+    print("err", file=sys.stderr, flush=True)
+    sys.exit(3)
+code = job_stage.run_relayed([sys.executable, __file__, sys.argv[1], "child"])
+print("code", code, flush=True)
+"""
+
+
+def test_a_relayed_process_writes_to_a_pipe_wherever_the_job_writes(tmp_path):
+    """The chunk's context bytes followed its output's file type; its lines still
+    reach the job's log, in order, with its exit code."""
+    script = tmp_path / "relayed.py"
+    script.write_text(RELAYED)
+    jobs = str(job_stage.__file__).rsplit("/", 1)[0]
+    with open(tmp_path / "log", "w") as log:  # the job itself writes to a file
+        run = subprocess.run([sys.executable, str(script), jobs], stdout=log, stderr=log)
+    assert run.returncode == 0
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert lines == ["out [True, True]", "err", "code 3"]

@@ -550,13 +550,14 @@ def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
 @pytest.mark.toolchain
 def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     # QAIRT 2.51 writes uninitialised heap bytes into padding of fp16 constants:
-    # only the job's pinned heap (MALLOC_PERTURB_, no tcache, no ASLR, fixed
-    # PYTHONHASHSEED) and prepare-only generation make them repeat. Same place:
-    # the heap history depends on path lengths.
+    # only the job's pinned heap (MALLOC_PERTURB_, no tcache, a fixed mmap
+    # threshold, no ASLR, fixed PYTHONHASHSEED) and prepare-only generation make
+    # them repeat. Same place: the heap history depends on path lengths.
     first, manifest = sm8650_fp16
     assert manifest["reproducible"] is True
     assert manifest["options"]["generation_options"] == {"enable_htp_prepare_only": "1"}
     assert all(h["aslr_disabled"] and h["tcache_disabled"] for h in manifest["options"]["heap"])
+    assert {h["mmap_threshold"] for h in manifest["options"]["heap"]} == {"131072"}
     assert {h["fixed_clock"] for h in manifest["options"]["heap"]} == {job_stage.FIXED_CLOCK}
     assert {(h["cpus"], h["malloc_arenas"]) for h in manifest["options"]["heap"]} == {(1, "1")}
     assert all(h["ort_telemetry_off"] for h in manifest["options"]["heap"])

@@ -37,6 +37,7 @@ def heap_pinned(result: dict) -> bool:
         h.get("aslr_disabled")
         and h.get("malloc_perturb")
         and h.get("tcache_disabled")
+        and h.get("mmap_threshold")
         and h.get("python_hash_seed")
         and h.get("fixed_clock")
         and h.get("cpus") == 1

@@ -12,6 +12,15 @@ history, so a job repeats its bytes only in a process whose history repeats:
   (``glibc.malloc.tcache_count=0``); jobs use one malloc arena and one CPU
   (``one_cpu``), so threads neither race for blocks nor size their pools by the
   machine (a QNN context once took another stale byte under heavy load);
+* a fixed mmap threshold (``glibc.malloc.mmap_threshold=131072``, glibc's own
+  starting value): by default glibc raises it whenever a block it mapped is freed,
+  so when one of QAIRT's threads freed such a block decided, for every later large
+  block, whether it came from the heap or from a mapping of its own; about one QNN
+  context build in four (30 runs of one chunk in one container) came out with 64
+  other padding bytes, and none of 36 with the threshold fixed;
+* the job's output is a pipe (``run_relayed``): the chunk process's heap history
+  follows the type of its stdout and stderr (a pipe and /dev/null gave two
+  contexts), so it is the same however the job itself was started;
 * ``PYTHONHASHSEED=0``: Python's own allocation order (sets, dicts) repeats;
 * ONNX Runtime's telemetry is off (``NO_TELEMETRY``): its thread allocated beside the
   compile at times of its own choosing;
@@ -65,6 +74,7 @@ FIXED_CLOCK = "@2000-01-01 00:00:00 i0.001"
 FAKETIME_LIBRARY = ("libfaketime", "vendor", "libfaketime", "src", "libfaketime.so.1")
 MALLOC_PERTURB = "85"
 TCACHE_OFF = "glibc.malloc.tcache_count=0"
+MMAP_THRESHOLD = "glibc.malloc.mmap_threshold=131072"
 ADDR_NO_RANDOMIZE = 0x0040000
 # ONNX Runtime's telemetry (1.31's Linux wheels carry it) runs a thread of its own that
 # allocates on timers, reads /tmp/.ses and keeps a device-id database: heap history that
@@ -96,6 +106,32 @@ def one_cpu() -> None:
         os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
 
 
+def tunable(tunables: str, name: str):
+    """The value ``GLIBC_TUNABLES``-style ``tunables`` give ``name`` (the last one wins,
+    as in glibc), or None."""
+    values = [t.split("=", 1)[1] for t in tunables.split(":") if t.startswith(f"{name}=")]
+    return values[-1] if values else None
+
+
+def run_relayed(command: list, **options) -> int:
+    """Run ``command`` with its stdout and stderr on one pipe whose lines go to our
+    stdout; return its exit code. Its heap history then does not depend on where our
+    own output goes (see the module doc)."""
+    import subprocess
+
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **options
+    ) as process:
+        try:
+            for line in process.stdout:
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+        except BaseException:
+            process.kill()
+            raise
+        return process.wait()
+
+
 def heap_settings() -> dict:
     """What this process actually runs with (for compile.json)."""
     try:
@@ -109,6 +145,7 @@ def heap_settings() -> dict:
         "aslr_disabled": bool(personality & ADDR_NO_RANDOMIZE),
         "malloc_perturb": os.environ.get("MALLOC_PERTURB_") or None,
         "tcache_disabled": TCACHE_OFF in tunables.split(":"),
+        "mmap_threshold": tunable(tunables, "glibc.malloc.mmap_threshold"),
         "python_hash_seed": os.environ.get("PYTHONHASHSEED") or None,
         "fixed_clock": os.environ.get("FAKETIME") if preloaded == FAKETIME_LIBRARY[-1] else None,
         "malloc_arenas": os.environ.get("MALLOC_ARENA_MAX") or None,

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -1133,14 +1132,16 @@ def compile_chunk(spec: dict, chunk: dict) -> dict:
 
 def chunk_env(environ: dict) -> dict:
     """Heap settings on top of ``environ`` (other GLIBC_TUNABLES kept; see job_stage.py)."""
-    from job_stage import MALLOC_PERTURB, TCACHE_OFF
+    from job_stage import MALLOC_PERTURB, MMAP_THRESHOLD, TCACHE_OFF
 
+    pinned = [TCACHE_OFF, MMAP_THRESHOLD]
+    names = tuple(t.split("=")[0] + "=" for t in pinned)
     tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    tunables = [t for t in tunables if not t.startswith("glibc.malloc.tcache_count=")]
+    tunables = [t for t in tunables if not t.startswith(names)]
     return dict(
         environ,
         MALLOC_PERTURB_=environ.get("MALLOC_PERTURB_") or MALLOC_PERTURB,
-        GLIBC_TUNABLES=":".join(tunables + [TCACHE_OFF]),
+        GLIBC_TUNABLES=":".join(tunables + pinned),
         MALLOC_ARENA_MAX="1",
         # Python's own allocations (set and dict order) must repeat too.
         PYTHONHASHSEED="0",
@@ -1193,7 +1194,7 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
         if spec["precision"] != "fp16":
             # Its own process on the real clock: quantization logs progress over minutes.
             env = job_stage.fixed_environment(stage, chunk_env({}))
-            if subprocess.run([*command, "--quantize"], env=env, cwd=stage).returncode != 0:
+            if job_stage.run_relayed([*command, "--quantize"], env=env, cwd=stage) != 0:
                 raise RuntimeError(f"error: quantizing chunk {chunk['index']} failed (see above)")
             record = Path(stage, "work", f"chunk{chunk['index']}_quantization.json")
             quantization = json.loads(record.read_text())
@@ -1201,9 +1202,11 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
         env = job_stage.fixed_environment(stage, chunk_env(clock))
         started = time.monotonic()
         # One CPU: QAIRT's prepare threads then neither size by the machine nor race.
-        run = subprocess.run(command, env=env, cwd=stage, preexec_fn=job_stage.one_cpu)
+        returncode = job_stage.run_relayed(
+            command, env=env, cwd=stage, preexec_fn=job_stage.one_cpu
+        )
         seconds = time.monotonic() - started
-        if run.returncode != 0:
+        if returncode != 0:
             raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
         log(f"chunk {chunk['index']} compiled in {seconds:.1f} s")
         out_dir, work_dir = Path(spec["out_dir"]), Path(spec["work_dir"])
