@@ -72,6 +72,24 @@ def test_a_failed_check_is_one_line_with_every_figure():
     # The figures that passed are named too, once each.
     assert message.count("logits cosine") == 1 and "perplexity" in message
     assert message.endswith("against fp32; try fp16")
+    # The miss is named with fp32's own margin there (its top-1 minus top-2 logit).
+    ranked = np.sort(reference[3])
+    margin = round(float(ranked[-1] - ranked[-2]), 4)
+    assert record["top1_misses"] == [{"position": 3, "fp32_margin": margin}]
+    assert f"top-1 differs at positions 3 ({margin})," in message
+
+
+def test_a_failed_check_names_the_first_misses_and_counts_the_rest():
+    rng = np.random.default_rng(1)
+    reference = rng.standard_normal((16, 50)).astype(np.float32)
+    record = _record(reference, -reference, {"min_top1": 0.99})
+    assert len(record["top1_misses"]) == 16
+    with pytest.raises(NpuforgeError) as failed:
+        base.check_gate("RK3588", "w8a8", record, "try fp16")
+    message = str(failed.value)
+    named = message.split("top-1 differs at positions ")[1].split(", fp32's")[0]
+    assert named.startswith("0 (") and named.endswith(f"and {16 - base.MISSES_NAMED} more")
+    assert named.count("(") == base.MISSES_NAMED and "\n" not in message
 
 
 def test_a_passing_check_raises_nothing():

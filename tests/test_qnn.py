@@ -99,12 +99,17 @@ def test_verification_figures():
     assert same["cosine"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
     assert same["max_abs_rel"] == 0.0 and same["positions"] == 32
     assert same["perplexity"]["delta"] == 0.0 and same["perplexity"]["positions"] == 32
+    assert same["top1_misses"] == []
     noisy = ref + 0.1 * rng.standard_normal(ref.shape).astype(np.float32)
     figures = base.fidelity(ref, noisy, next_ids)
     assert 0.98 < figures["cosine"] < 0.999
     flipped = base.fidelity(ref, -ref, next_ids)
     assert flipped["cosine"] == pytest.approx(-1.0) and flipped["top1_agreement"] < 0.2
     assert flipped["perplexity"]["delta"] > 1.0
+    missed = [m["position"] for m in flipped["top1_misses"]]
+    assert missed == [i for i in range(32) if (-ref[i]).argmax() != ref[i].argmax()]
+    assert all(m["fp32_margin"] > 0 for m in flipped["top1_misses"])
+    assert flipped["worst_cosine_position"] in range(32)
     broken = ref.copy()
     broken[3, 7] = np.nan
     assert base.fidelity(ref, broken)["nan_inf"] == 1

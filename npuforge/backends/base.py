@@ -363,17 +363,21 @@ def fidelity(reference, compiled, next_ids=None) -> dict:
     figures = {"positions": int(rows), "nan_inf": int((~np.isfinite(out)).sum())}
     if figures["nan_inf"]:
         figures.update(cosine=None, cosine_mean=None, max_abs_rel=None, top1_agreement=None)
+        figures.update(worst_cosine_position=None, top1_misses=None)
         figures["perplexity"] = None
         return figures
     dot = (out * ref).sum(-1)
     norms = np.linalg.norm(out, axis=-1) * np.linalg.norm(ref, axis=-1)
     cosine = dot / np.maximum(norms, 1e-30)
     scale = max(float(np.abs(ref).max()), 1e-30)
+    agree = out.argmax(-1) == ref.argmax(-1)
     figures.update(
         cosine=round(float(cosine.min()), 7),
         cosine_mean=round(float(cosine.mean()), 7),
+        worst_cosine_position=int(cosine.argmin()),
         max_abs_rel=round(float(np.abs(out - ref).max() / scale), 7),
-        top1_agreement=round(float(np.mean(out.argmax(-1) == ref.argmax(-1))), 6),
+        top1_agreement=round(float(np.mean(agree)), 6),
+        top1_misses=top1_misses(ref, agree),
         perplexity=None,
     )
     if next_ids is not None and ref.shape[1] and len(next_ids):
@@ -390,6 +394,21 @@ def fidelity(reference, compiled, next_ids=None) -> dict:
                 "positions": int(scored),
             }
     return figures
+
+
+def top1_misses(ref, agree) -> list[dict]:
+    """The positions whose top-1 token differs from fp32's, each with fp32's own margin
+    between its top two logits: a miss at a near-tie says less than one at a wide margin."""
+    import numpy as np
+
+    if ref.shape[1] < 2:
+        return []
+    top2 = np.partition(ref, -2, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    return [
+        {"position": int(i), "fp32_margin": round(float(margin[i]), 4)}
+        for i in np.flatnonzero(~agree)
+    ]
 
 
 # --------------------------------------------------------------------------- gate
@@ -462,6 +481,10 @@ def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, 
     )
 
 
+# Top-1 misses a failed gate's message names (the manifest lists them all).
+MISSES_NAMED = 6
+
+
 def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
     """One line naming what failed and what to try, when the verification failed."""
     if record["passed"]:
@@ -475,9 +498,14 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
         "perplexity": f"perplexity {ppl:+.2%}" if ppl is not None else None,
     }
     passed = [text for key, text in figures.items() if text and key not in " ".join(failures)]
+    misses = record.get("top1_misses") or []
+    where = ", ".join(f"{m['position']} ({m['fp32_margin']})" for m in misses[:MISSES_NAMED])
+    if len(misses) > MISSES_NAMED:
+        where += f" and {len(misses) - MISSES_NAMED} more"
+    where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets" if misses else ""
     raise NpuforgeError(
         f"{target} {precision}: the simulator check over {record['positions']} positions of "
-        f"held-out text failed ({'; '.join(failures + passed)}) against "
+        f"held-out text failed ({'; '.join(failures + passed)}{where}) against "
         f"{record['reference']}; {fix}"
     )
 
