@@ -502,7 +502,8 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
     where = ", ".join(f"{m['position']} ({m['fp32_margin']})" for m in misses[:MISSES_NAMED])
     if len(misses) > MISSES_NAMED:
         where += f" and {len(misses) - MISSES_NAMED} more"
-    where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets" if misses else ""
+    if misses:
+        where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets"
     raise NpuforgeError(
         f"{target} {precision}: the simulator check over {record['positions']} positions of "
         f"held-out text failed ({'; '.join(failures + passed)}{where}) against "
