@@ -362,9 +362,9 @@ def fidelity(reference, compiled, next_ids=None) -> dict:
     out = np.asarray(compiled, dtype=np.float64).reshape(rows, -1)
     figures = {"positions": int(rows), "nan_inf": int((~np.isfinite(out)).sum())}
     if figures["nan_inf"]:
-        figures.update(cosine=None, cosine_mean=None, max_abs_rel=None, top1_agreement=None)
-        figures.update(worst_cosine_position=None, top1_misses=None)
-        figures["perplexity"] = None
+        unknown = ("cosine", "cosine_mean", "worst_cosine_position", "max_abs_rel")
+        unknown += ("top1_agreement", "top1_misses", "perplexity")
+        figures.update(dict.fromkeys(unknown))
         return figures
     dot = (out * ref).sum(-1)
     norms = np.linalg.norm(out, axis=-1) * np.linalg.norm(ref, axis=-1)
