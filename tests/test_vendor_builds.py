@@ -3,8 +3,7 @@
     snakemake --cores all --config target=RK3588 toolchain_runtime=podman
     snakemake --cores all --config target=SM8650      # fp16 and a16w8
     snakemake --cores all --config target=SM8650 precision=fp16 toolchain_runtime=podman
-    snakemake --cores all --config target=BM1684X          # f16 combined bmodel
-    snakemake --cores all --config target=BM1688 toolchain_runtime=podman
+    snakemake --cores all --config target=BM1688 toolchain_runtime=podman  # f16 bmodel
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
 with the real vendor compiler, verifies on the vendor's simulator and packages a
@@ -295,32 +294,26 @@ def check_bmodel_bundle(workflow, target, runtime) -> dict:
 @pytest.mark.slow
 @pytest.mark.toolchain
 @pytest.mark.skipif(TPUMLIR_NATIVE is not None, reason=f"tpumlir native: {TPUMLIR_NATIVE}")
-def test_bm1684x_and_bm1688_build_verified_reproducible_combined_bmodels(workflow, tmp_path):
-    """BM1684X natively (the first run on a fresh machine also builds the TPU-MLIR venv
-    from the lock), BM1688 in the TPU-MLIR image where podman can build it, else natively.
-    One chip per runtime: each build is minutes of cmodel checks (BM1684X's 8 min here,
-    BM1688's 3.5), and the bytes are promised per runtime, not across them."""
+def test_bm1688_builds_a_verified_reproducible_combined_bmodel(workflow, tmp_path):
+    """BM1688 in the TPU-MLIR image where podman can build it, else natively. One chip:
+    a build is minutes of cmodel checks, and BM1684X's compile takes 8.6 min here (the
+    32-token prefill net's model_deploy, checked on the cmodel, 5 of them) against
+    BM1688's 3.5. BM1684X's deploy and combine run natively in test_tpumlir.py."""
     env = script_env(SOURCE_DATE_EPOCH=None)  # the pinned build time defaults to the epoch
-    native = ("--config", "target=BM1684X")
-    snakemake(workflow, *native, check=True, env=env)
-    bm1684x = check_bmodel_bundle(workflow, "BM1684X", "native")
-    again = snakemake(workflow, *native, check=True, env=env)
-    assert "Nothing to be done" in again.stdout + again.stderr
-
     if TPUMLIR_PODMAN is not None:
         # Natively, a second compile of the same exports gives the same bytes.
-        one = ("--config", "target=BM1688")
-        snakemake(workflow, *one, check=True, env=env)
+        native = ("--config", "target=BM1688")
+        snakemake(workflow, *native, check=True, env=env)
         bm1688 = check_bmodel_bundle(workflow, "BM1688", "native")
-        snakemake(workflow, *one, "--forcerun", "compile", check=True, env=env)
+        snakemake(workflow, *native, "--forcerun", "compile", check=True, env=env)
         assert sha256s(bundle_of(workflow, "BM1688", "f16"), ".bmodel") == bm1688
-        assert bm1684x != bm1688
         return
 
     in_image = ("--config", "target=BM1688", "toolchain_runtime=podman")
     snakemake(workflow, *in_image, check=True, env=env)
-    bm1688 = check_bmodel_bundle(workflow, "BM1688", "podman")
-    assert bm1684x != bm1688
+    check_bmodel_bundle(workflow, "BM1688", "podman")
+    again = snakemake(workflow, *in_image, check=True, env=env)
+    assert "Nothing to be done" in again.stdout + again.stderr
     record = check_bundle(bundle_of(workflow, "BM1688", "f16"))["compile"]["toolchain"]
     assert record["image"] == toolchain.image_name("tpumlir")
     assert record["image_inputs"]["python310.version"].startswith("3.10.")
