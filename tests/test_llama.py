@@ -65,6 +65,34 @@ def test_prefill_then_decode_matches_transformers(
     assert error <= 1e-4 * np.abs(want).max(), f"max |diff| {error}"
 
 
+def test_tanh_silu_export_is_the_same_model_without_a_sigmoid(checkpoints, tmp_path):
+    """tanh_silu writes each MLP's SiLU as x * (1/2 + tanh(x/2) / 2): the same logits as
+    transformers, no Sigmoid in the graphs, and the choice recorded in export.json."""
+    import onnx
+
+    checkpoint = checkpoints["smollm2"]
+    ids = np.random.default_rng(7).integers(
+        0, TINY_CONFIGS["smollm2"]["vocab_size"], (1, PREFILL + 4)
+    )
+    common = dict(dtype="fp32", chunks=2, batch=1, cache_len=CACHE_LEN, fp16_fixes=True)
+    for variant, tokens in (("prefill", PREFILL), ("decode", 1)):
+        meta = llama_export.export_llama(
+            checkpoint, tmp_path / variant, variant=variant, tokens=tokens, tanh_silu=True, **common
+        )
+        assert meta["options"]["tanh_silu"] is True
+        for graph in meta["graphs"]:
+            ops = [n.op_type for n in onnx.load(tmp_path / variant / graph["file"]).graph.node]
+            layers = graph["layers"][1] - graph["layers"][0]
+            assert "Sigmoid" not in ops and ops.count("Tanh") == layers
+    got = run_prefill_then_decode(tmp_path / "prefill", tmp_path / "decode", ids)
+    want = reference_logits(checkpoint, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    plain = llama_export.export_llama(checkpoint, tmp_path / "plain", variant="decode", **common)
+    assert plain["options"]["tanh_silu"] is False
+    graph = onnx.load(tmp_path / "plain" / plain["graphs"][0]["file"]).graph
+    assert "Sigmoid" in [n.op_type for n in graph.node]
+
+
 def test_fp16_safe_norm_is_exact_and_survives_massive_activations():
     import torch
 

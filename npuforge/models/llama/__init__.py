@@ -20,6 +20,7 @@ EXPORT_OPTIONS = (
     "sha",
     "mask_value",
     "fp16_fixes",
+    "tanh_silu",
     "kv_prefix",
     "smoothquant",
     "group_offsets",
@@ -33,8 +34,9 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
 
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
-    ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}`` and
-    ``block_centres: {precision: group}`` give that precision an export of its own.
+    ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}``,
+    ``block_centres: {precision: group}`` and ``tanh_silu: [precision, ...]`` give that
+    precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -44,6 +46,8 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     }
     if export.get("kv_prefix"):
         options["kv_prefix"] = [int(t) for t in export["kv_prefix"]]
+    if precision in (export.get("tanh_silu") or []):
+        options["tanh_silu"] = True
     alpha = (export.get("smoothquant") or {}).get(precision)
     if alpha is not None:
         options["smoothquant"] = {"alpha": float(alpha)}

@@ -83,25 +83,34 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, t, h * d)), k_cache, v_cache
 
 
+def tanh_silu(x):
+    """silu(x) = x * sigmoid(x) = x * (1/2 + tanh(x/2) / 2), exactly. The QNN HTP runs a
+    Sigmoid that follows a MatMul in a coarser fp16 kernel than it runs a lone Sigmoid or
+    a Tanh (SmolLM2-135M's gate_proj on the simulator: relative error 5.1e-3 as
+    silu(x W), 4.2e-4 in this form)."""
+    return x * (0.5 + 0.5 * torch.tanh(0.5 * x))
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tanh_form: bool = False):
         super().__init__()
         e, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, e, bias=cfg.mlp_bias)
+        self.activation = tanh_silu if tanh_form else nn.functional.silu
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, fp16_safe: bool):
+    def __init__(self, cfg: LlamaConfig, fp16_safe: bool, tanh_silu: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tanh_silu)
 
     def forward(self, x, cos, sin, write, keep, mask, k_cache, v_cache):
         a, k_cache, v_cache = self.self_attn(
@@ -116,13 +125,16 @@ class Llama(nn.Module):
 
     ``fp16_safe``: the norms of the residual stream take the overflow-free form (see
     ``RMSNorm``); the q/k norms of Qwen3 see projections, not the stream, and keep theirs.
+    ``tanh_silu``: the MLPs' SiLU in its tanh form (see ``tanh_silu``).
     """
 
-    def __init__(self, cfg: LlamaConfig, cache_len: int, fp16_safe: bool = False):
+    def __init__(
+        self, cfg: LlamaConfig, cache_len: int, fp16_safe: bool = False, tanh_silu: bool = False
+    ):
         super().__init__()
         self.cfg, self.cache_len = cfg, cache_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, fp16_safe) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, fp16_safe, tanh_silu) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp16_safe)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -148,12 +160,18 @@ class Llama(nn.Module):
         return x, new_caches
 
 
-def build_model(cfg: LlamaConfig, state_dict: dict, cache_len: int, fp16_safe: bool = False):
+def build_model(
+    cfg: LlamaConfig,
+    state_dict: dict,
+    cache_len: int,
+    fp16_safe: bool = False,
+    tanh_silu: bool = False,
+):
     """A Llama torch module in eval mode with the checkpoint's weights loaded."""
     # Built on the meta device and given the checkpoint tensors themselves (assign=True):
     # no random init, no second copy of the weights.
     with torch.device("meta"):
-        model = Llama(cfg, cache_len, fp16_safe)
+        model = Llama(cfg, cache_len, fp16_safe, tanh_silu)
     weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
