@@ -132,3 +132,83 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
                 with np.load(tmp_path / "cal" / f"chunk{index}" / f"sample{j}.npz") as data:
                     got = data[item["name"]]
                 np.testing.assert_array_equal(got, llama_export.extra_inputs(meta, item, position))
+
+
+HTP_RUN = """
+import sys
+import numpy as np
+import onnxruntime as ort
+import onnxruntime_qnn
+
+ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+options = {"backend_path": onnxruntime_qnn.get_qnn_htp_path(), "soc_model": "57",
+           "htp_arch": "75", "enable_htp_fp16_precision": "1"}
+for model in sys.argv[2:]:
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    so.add_provider_for_devices(devices, options)
+    x = np.load(sys.argv[1])
+    np.save(model + ".out.npy", ort.InferenceSession(model, so).run(None, {"x": x})[0])
+"""
+
+
+@pytest.mark.toolchain
+def test_the_htp_computes_silu_after_a_matmul_ten_times_closer_in_its_tanh_form(
+    qnn_stamp,  # noqa: F811
+    tmp_path,
+):
+    """Why SM8650's Llama fp16 export takes tanh_silu: in fp16 the HTP simulator runs a
+    Sigmoid that follows a MatMul far coarser than fp16 rounding, and the same SiLU
+    written with a Tanh close to it (SmolLM2-135M's gate_proj: 5.1e-3 against 4.2e-4)."""
+    import json
+    import subprocess
+
+    import torch
+
+    from npuforge.models.llama import model as llama_model
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((1, 1, 576)) * 0.4).astype(np.float32)  # gate inputs to ~4
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    linear.weight.data = torch.from_numpy((rng.standard_normal((1536, 576)) * 0.12).astype("f4"))
+    np.save(tmp_path / "x.npy", x)
+
+    class GateActivation(torch.nn.Module):
+        def __init__(self, activation):
+            super().__init__()
+            self.gate_proj, self.activation = linear, activation
+
+        def forward(self, t):
+            return self.activation(self.gate_proj(t))
+
+    forms = {"sigmoid": torch.nn.functional.silu, "tanh": llama_model.tanh_silu}
+    models = {name: tmp_path / f"{name}.onnx" for name in forms}
+    with torch.no_grad():
+        for name, activation in forms.items():
+            torch.onnx.export(
+                GateActivation(activation),
+                (torch.from_numpy(x),),
+                models[name],
+                input_names=["x"],
+                dynamo=False,
+            )
+    import onnx
+
+    ops = {n: {node.op_type for node in onnx.load(p).graph.node} for n, p in models.items()}
+    assert "Sigmoid" in ops["sigmoid"] and "Sigmoid" not in ops["tanh"] and "Tanh" in ops["tanh"]
+    python = json.loads(qnn_stamp.read_text())["python"]
+    ran = subprocess.run(
+        [python, "-c", HTP_RUN, tmp_path / "x.npy", *models.values()],
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    gate = x.astype(np.float64) @ linear.weight.detach().numpy().T.astype(np.float64)
+    want = gate / (1 + np.exp(-gate))
+    error = {}
+    for name, path in models.items():
+        got = np.load(f"{path}.out.npy").astype(np.float64)
+        error[name] = np.linalg.norm(got - want) / np.linalg.norm(want)
+    # fp16 rounding of the inputs alone costs ~2e-4.
+    assert error["sigmoid"] > 2e-3 and error["tanh"] < 1e-3, error

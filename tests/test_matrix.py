@@ -262,6 +262,11 @@ def test_llama_export_options_carry_cache_and_sha():
     assert qnn["mask_value"] == llama.MASK_VALUE
     assert qnn["fp16_fixes"] is True and "last_token_logits" not in qnn  # fp16-safe norms
     assert export_key(qnn) != export_key(rknn)  # SHA changes the bytes: its own export
+    # The HTP's fp16 builds take the tanh form of SiLU, an export of their own.
+    (fp16,) = export_variants(model, TARGETS["SM8650"], "fp16")
+    (a16w8,) = export_variants(model, TARGETS["SM8650"], "a16w8")
+    assert fp16 == dict(qnn, tanh_silu=True) and a16w8 == qnn and "tanh_silu" not in qnn
+    assert export_variants(model, TARGETS["RK3588"], "fp16") == [rknn]
     # RWKV exports keep their option set: the sha choice of a target does not split them
     assert export_variants(MODELS["rwkv7-tiny"], TARGETS["SM8650"]) == export_variants(
         MODELS["rwkv7-tiny"],

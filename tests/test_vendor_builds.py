@@ -204,16 +204,22 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
 @pytest.mark.skipif(QNN_NATIVE is not None, reason=f"qnn native: {QNN_NATIVE}")
 def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm(workflow):
     """SmolLM2-135M's hidden states reach |x| ~ 2e4; squared in RMSNorm they overflow the
-    HTP's fp16. The fp16-safe export computes the same model without that overflow."""
+    HTP's fp16. The fp16-safe export computes the same model without that overflow, and
+    with SiLU in its tanh form it meets the fp16 gate over 64 held-out positions (with
+    the Sigmoid form: logits cosine 0.99839 < 0.999, perplexity -0.85 %)."""
     from npuforge.backends.base import TRAINED_FLOORS
 
     select = ("--config", "model=smollm2-135m", "target=SM8650", "precision=fp16")
-    snakemake(workflow, *select, check=True)
+    positions = workflow / "positions.yaml"
+    positions.write_text("targets: {SM8650: {options: {verify_steps: 64}}}\n")
+    snakemake(workflow, "--configfile", positions, *select, check=True)
     bundle = workflow / "results" / "release" / "smollm2-135m" / "SM8650" / "fp16"
-    figures = check_bundle(bundle)["compile"]["verification"]
+    manifest = check_bundle(bundle)
+    assert manifest["inputs"]["exports"][0]["export"]["options"]["tanh_silu"] is True
+    figures = manifest["compile"]["verification"]
     assert figures["floors"] == TRAINED_FLOORS["fp16"] and figures["passed"]
-    assert figures["positions"] >= 32 and figures["nan_inf"] == 0
-    assert figures["top1_agreement"] >= 0.99
+    assert figures["positions"] == 64 and figures["nan_inf"] == 0
+    assert figures["top1_agreement"] >= 0.99 and figures["cosine"] >= 0.999
     assert abs(figures["perplexity"]["delta"]) <= 0.005
     assert figures["reference"].startswith("onnxruntime") and "HTP" in figures["runner"]
 
