@@ -134,22 +134,20 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
                 np.testing.assert_array_equal(got, llama_export.extra_inputs(meta, item, position))
 
 
+# The backend's own EP setup (qnn_job: register_qnn, provider_options, simulator_session).
 HTP_RUN = """
 import sys
 import numpy as np
-import onnxruntime as ort
-import onnxruntime_qnn
+sys.path.insert(0, sys.argv[1])
+import qnn_job
 
-ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
-devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
-options = {"backend_path": onnxruntime_qnn.get_qnn_htp_path(), "soc_model": "57",
-           "htp_arch": "75", "enable_htp_fp16_precision": "1"}
-for model in sys.argv[2:]:
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    so.add_provider_for_devices(devices, options)
-    x = np.load(sys.argv[1])
-    np.save(model + ".out.npy", ort.InferenceSession(model, so).run(None, {"x": x})[0])
+ort, devices, htp_library = qnn_job.register_qnn()
+spec = {"soc_model": 57, "htp_arch": 75, "precision": "fp16"}
+options = qnn_job.provider_options(spec, htp_library)
+x = np.load(sys.argv[2])
+for model in sys.argv[3:]:
+    session = qnn_job.simulator_session(ort, devices, options, model)
+    np.save(model + ".out.npy", session.run(None, {"x": x})[0])
 """
 
 
@@ -164,8 +162,10 @@ def test_the_htp_computes_silu_after_a_matmul_ten_times_closer_in_its_tanh_form(
     import json
     import subprocess
 
+    import onnx
     import torch
 
+    from npuforge.backends import qnn
     from npuforge.models.llama import model as llama_model
 
     rng = np.random.default_rng(0)
@@ -193,13 +193,11 @@ def test_the_htp_computes_silu_after_a_matmul_ten_times_closer_in_its_tanh_form(
                 input_names=["x"],
                 dynamo=False,
             )
-    import onnx
-
     ops = {n: {node.op_type for node in onnx.load(p).graph.node} for n, p in models.items()}
     assert "Sigmoid" in ops["sigmoid"] and "Sigmoid" not in ops["tanh"] and "Tanh" in ops["tanh"]
     python = json.loads(qnn_stamp.read_text())["python"]
     ran = subprocess.run(
-        [python, "-c", HTP_RUN, tmp_path / "x.npy", *models.values()],
+        [python, "-c", HTP_RUN, qnn.JOB_SCRIPT.parent, tmp_path / "x.npy", *models.values()],
         capture_output=True,
         text=True,
     )
