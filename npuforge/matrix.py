@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from npuforge import backends, models
 from npuforge.errors import NpuforgeError
+from npuforge.registry import build_options
 
 # The backend that needs no vendor toolchain (onnxruntime on the CPU).
 REFERENCE_BACKEND = "onnx"
@@ -246,9 +247,8 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
         if room is None:
             continue
         runs = {"verify.tokens": (config.get("verify") or {}).get("tokens", 0)}
-        runs[f"{build.target} verify_steps"] = targets[build.target]["options"].get(
-            "verify_steps", 0
-        )
+        options = build_options(model, targets[build.target])
+        runs[f"{build.target} verify_steps"] = options.get("verify_steps", 0)
         # A kv_prefix takes the first slots of the cache.
         prefix = int(model["context_length"]) - room
         for name, steps in runs.items():

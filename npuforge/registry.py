@@ -216,3 +216,12 @@ def model_weights(model: dict) -> str:
     """ "synthetic" for a registry model whose checkpoint is made with random weights, else
     "trained": the compile step's floors depend on it (npuforge.backends.base)."""
     return "synthetic" if "synthetic" in model["source"] else "trained"
+
+
+def build_options(model: dict, target: dict) -> dict:
+    """The target's options for one model's builds: the model's own verify_steps, where it
+    sets one, replaces the target's."""
+    options = dict(target["options"])
+    if "verify_steps" in model:
+        options["verify_steps"] = model["verify_steps"]
+    return options

@@ -47,6 +47,7 @@ from npuforge.matrix import (
 )
 from npuforge.provenance import check_models
 from npuforge.registry import (
+    build_options,
     check_configfiles,
     check_registries,
     load_registries,
@@ -329,9 +330,9 @@ def compile_inputs(wildcards):
 def compile_options(wildcards):
     # Only wildcards here: Snakemake's params rerun trigger ignores params derived from
     # input or output, so every option that changes the binary must be in this one.
-    target = TARGETS[wildcards.target]
+    options = build_options(MODELS[wildcards.model], TARGETS[wildcards.target])
     args = ["--target", wildcards.target]
-    args += ["--target-options", as_json(target["options"])]
+    args += ["--target-options", as_json(options)]
     args += ["--precision", wildcards.precision]
     args += ["--weights", model_weights(MODELS[wildcards.model])]
     return shlex.join(args)

@@ -20,7 +20,7 @@ from npuforge.matrix import (
     plan_chunks,
     select_builds,
 )
-from npuforge.registry import load_registries
+from npuforge.registry import build_options, load_registries
 
 CONFIG = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
 MODELS, TARGETS = load_registries(CONFIG, REPO)
@@ -282,6 +282,17 @@ def test_llama_verification_runs_must_fit_the_cache():
         selection(model="llama-tiny", target="onnx", verify={"tokens": 48}), short, TARGETS
     )
     assert [b.precision for b in plan.builds] == ["fp32"]
+
+
+def test_a_model_verify_steps_replaces_the_targets_and_must_fit_the_cache():
+    smollm2, demo = MODELS["smollm2-135m"], MODELS["rwkv7-demo"]
+    assert TARGETS["SM8650"]["options"]["verify_steps"] == 32
+    assert build_options(smollm2, TARGETS["SM8650"])["verify_steps"] == 64
+    assert build_options(demo, TARGETS["SM8650"]) == TARGETS["SM8650"]["options"]
+    # The model's figure is the one checked against its cache (less the kv_prefix slot).
+    long = {"smollm2-135m": dict(smollm2, verify_steps=smollm2["context_length"])}
+    with pytest.raises(NpuforgeError, match=r"SM8650 verify_steps \(256\) exceeds"):
+        make_plan(selection(model="smollm2-135m", target="SM8650"), long, TARGETS)
 
 
 def test_a_model_may_ask_for_more_calibration_samples():

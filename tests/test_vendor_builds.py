@@ -205,14 +205,13 @@ def test_sm8650_builds_a_verified_htp_context_binary(workflow):
 def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm(workflow):
     """SmolLM2-135M's hidden states reach |x| ~ 2e4; squared in RMSNorm they overflow the
     HTP's fp16. The fp16-safe export computes the same model without that overflow, and
-    with SiLU in its tanh form it meets the fp16 gate over 64 held-out positions (with
-    the Sigmoid form: logits cosine 0.99839 < 0.999, perplexity -0.85 %)."""
+    with SiLU in its tanh form it meets the fp16 gate over the 64 held-out positions its
+    registry entry asks for (with the Sigmoid form: logits cosine 0.99839 < 0.999,
+    perplexity -0.85 %)."""
     from npuforge.backends.base import TRAINED_FLOORS
 
     select = ("--config", "model=smollm2-135m", "target=SM8650", "precision=fp16")
-    positions = workflow / "positions.yaml"
-    positions.write_text("targets: {SM8650: {options: {verify_steps: 64}}}\n")
-    snakemake(workflow, "--configfile", positions, *select, check=True)
+    snakemake(workflow, *select, check=True)
     bundle = workflow / "results" / "release" / "smollm2-135m" / "SM8650" / "fp16"
     manifest = check_bundle(bundle)
     assert manifest["inputs"]["exports"][0]["export"]["options"]["tanh_silu"] is True
@@ -229,8 +228,8 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
     release = sha256_tree(workflow / "results" / "release")
     plain = workflow / "plain.yaml"
     plain.write_text(
-        "targets:\n  SM8650:\n    export: {fp16_fixes: false}\n"
-        "    options: {htp_arch: 75, soc_model: 57, vtcm_mb: 8, verify_steps: 4}\n"
+        "targets: {SM8650: {export: {fp16_fixes: false}}}\n"
+        "models: {smollm2-135m: {verify_steps: 4}}\n"
     )
     failed = snakemake(workflow, "--configfile", plain, *select)
     assert failed.returncode != 0
