@@ -237,11 +237,10 @@ def test_smollm2_is_built_in_the_precisions_that_pass_its_gate():
         )
         return [b.precision for b in builds]
 
-    assert pick("SM8650", "all") == ["fp16", "a16w4"]
+    assert pick("SM8650", "all") == ["fp16", "a16w8", "a16w4"]
     assert pick("RK3588", "all") == ["fp16", "w16a16i_dfp"]
     assert pick("BM1688", "all") == pick("BM1684X", "all") == ["f16", "w8f16", "w4f16"]
     refused = [
-        ("SM8650", "a16w8"),
         ("RK3588", "w8a8"),
         ("BM1684X", "int8"),
         ("BM1688", "bf16"),
@@ -262,10 +261,13 @@ def test_llama_export_options_carry_cache_and_sha():
     assert qnn["mask_value"] == llama.MASK_VALUE
     assert qnn["fp16_fixes"] is True and "last_token_logits" not in qnn  # fp16-safe norms
     assert export_key(qnn) != export_key(rknn)  # SHA changes the bytes: its own export
-    # The HTP's fp16 builds take the tanh form of SiLU, an export of their own.
+    # The HTP's fp16 and a16w8 builds share the tanh form of SiLU; a16w4 keeps the
+    # Sigmoid.
     (fp16,) = export_variants(model, TARGETS["SM8650"], "fp16")
     (a16w8,) = export_variants(model, TARGETS["SM8650"], "a16w8")
-    assert fp16 == dict(qnn, tanh_silu=True) and a16w8 == qnn and "tanh_silu" not in qnn
+    (a16w4,) = export_variants(model, TARGETS["SM8650"], "a16w4")
+    assert fp16 == a16w8 == dict(qnn, tanh_silu=True) and a16w4 == qnn
+    assert "tanh_silu" not in qnn
     assert export_variants(model, TARGETS["RK3588"], "fp16") == [rknn]
     # RWKV exports keep their option set: the sha choice of a target does not split them
     assert export_variants(MODELS["rwkv7-tiny"], TARGETS["SM8650"]) == export_variants(
