@@ -28,12 +28,13 @@ onstart:
 
 
 # Downloads need the network and the user's HF cache, benchmarks the device attached
-# to this machine: on a cluster they run on the submit host.
+# to this machine, docs the checkout: on a cluster they run on the submit host.
 localrules:
     fetch,
     fetch_tree,
     bench,
     bench_device,
+    docs,
 
 
 rule all:

@@ -54,3 +54,26 @@ rule release_report:
         benchmarks=f"{RESULTS}/benchmarks",
     shell:
         "python workflow_scripts/release_report.py --index {input} --benchmarks {params.benchmarks} --table {output.table} --fidelity-plot {output.fidelity} --size-plot {output.size} > {log} 2>&1"
+
+
+# `snakemake docs`: one row per bundle of the release index merged into the checkout's
+# docs/data/builds.yaml, then every generated table of the docs rewritten from the data
+# (edits of the checkout beside the output, a record of what was added: review the diff
+# and commit it).
+rule docs:
+    input:
+        f"{RESULTS}/release/index.json",
+    output:
+        f"{RESULTS}/docs/recorded.json",
+    log:
+        f"{RESULTS}/logs/docs/recorded.log",
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=500,
+    params:
+        code=step_code("docs_data"),
+        root=workflow.basedir,
+    shell:
+        "python workflow_scripts/docs_data.py --root {params.root:q} --index {input} --out {output} > {log} 2>&1"

@@ -1,0 +1,535 @@
+"""Measured figures kept as data, and the docs' tables made from them.
+
+``docs/data/builds.yaml`` holds one row per measured build: model, target, precision,
+the setting built (the option values that matter, or an options digest), the figures
+(positions, logits cosine, top-1 agreement, perplexity change, gate), toolchain
+versions, date, npuforge commit, the command that reproduces it, and whether a later
+row superseded it. ``docs/data/benches.yaml`` holds the other bench families' rows.
+Rows come from three places: transcribed by hand, a release index (``snakemake docs``)
+and the bench scripts (``append_rows``).
+
+Every table of the docs is generated from these rows, between marker comments::
+
+    <!-- table:support-matrix model=smollm2-135m -->
+    ...
+    <!-- /table -->
+
+``regenerate`` rewrites them; ``stale_pages`` says which pages disagree with the data.
+"""
+
+import datetime
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from npuforge.errors import NpuforgeError
+from npuforge.fileio import atomic_path, dumps_json, read_json
+
+BUILDS = Path("docs/data/builds.yaml")
+BENCHES = Path("docs/data/benches.yaml")
+# The pages whose tables are generated (relative to the checkout), besides docs/**/*.md.
+PAGES = ("README.md", "envs/*/README.md", "docs/**/*.md")
+
+# Where a build's figures were measured. The support matrix counts only the first: a
+# vendor's simulator (QNN's x86 HTP simulator, rknn-toolkit2's, TPU-MLIR's cmodel) is
+# what a build's gate judges.
+VENDOR_SIMULATOR = "vendor simulator"
+MEASURED_ON = (VENDOR_SIMULATOR, "onnxruntime CPU", "onnxruntime CPU proxy", "torch simulation")
+STATUSES = ("current", "superseded")
+REQUIRED = ("id", "model", "target", "precision", "setting", "measured_on", "figures",
+            "date", "commit", "command", "status")  # fmt: skip
+FIGURES = ("positions", "cosine", "cosine_mean", "top1", "perplexity_delta", "passed")
+
+HEADER = """\
+# Measured builds, one row each; the docs' tables are generated from these rows
+# (npuforge/measurements.py; python workflow_scripts/docs_data.py rewrites them).
+# Rows are added by `snakemake docs` (from results/release/index.json), by the bench
+# scripts (--record) or by hand. Keep superseded rows: mark them status: superseded.
+#   setting        what was built: the option values that matter (markdown)
+#   options_digest sha256 (12 hex) of the bundle's target options and export keys
+#   measured_on    vendor simulator | onnxruntime CPU | onnxruntime CPU proxy | torch simulation
+#   figures        positions, cosine (worst position), cosine_mean, top1,
+#                  perplexity_delta (a fraction: -0.0024 is -0.24 %), passed (the gate),
+#                  failure (the check that stopped a build, when no figure was reached)
+#   series         the lever table (docs/backends/*.md) that lists the row
+#   exact_on_source the lever that makes 4-bit weights exact on a 4-bit source checkpoint
+#   commit         the npuforge commit the figures were measured at (or, transcribed,
+#                  the commit that first recorded them)
+"""
+BENCHES_HEADER = """\
+# Measured figures of the bench scripts other than builds' fidelity (bench/*.py), one
+# row each; `family` names the table (<!-- table:bench family=... -->) that lists them.
+"""
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def load_rows(path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    try:
+        rows = yaml.safe_load(path.read_text(encoding="utf-8")) or []
+    except yaml.YAMLError as err:
+        raise NpuforgeError(f"{path}: not YAML ({err}); fix the file") from err
+    if not isinstance(rows, list):
+        raise NpuforgeError(f"{path}: expected a list of rows; fix the file")
+    return rows
+
+
+class _Dumper(yaml.SafeDumper):
+    # Rows sharing one dict (a toolchain's versions) are written out each time, not
+    # as YAML anchors a reader must follow.
+    def ignore_aliases(self, data):
+        return True
+
+
+def dumps_rows(rows: list[dict], header: str = HEADER) -> str:
+    body = yaml.dump(
+        rows, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=4096,
+        default_flow_style=None,
+    )  # fmt: skip
+    return header + body
+
+
+def write_rows(path, rows: list[dict], header: str = HEADER) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(dumps_rows(rows, header), encoding="utf-8")
+
+
+def check_rows(rows: list[dict], source="builds") -> None:
+    """One line naming the first malformed row."""
+    seen = set()
+    for number, row in enumerate(rows, 1):
+        where = f"{source} row {number} ({row.get('id', 'no id')})"
+        missing = [key for key in REQUIRED if key not in row]
+        if missing:
+            raise NpuforgeError(f"{where}: missing {', '.join(missing)}; add them")
+        if row["id"] in seen:
+            raise NpuforgeError(f"{where}: id used twice; give the row its own id")
+        seen.add(row["id"])
+        if row["status"] not in STATUSES:
+            raise NpuforgeError(f"{where}: status must be one of {', '.join(STATUSES)}")
+        if row["measured_on"] not in MEASURED_ON:
+            raise NpuforgeError(f"{where}: measured_on must be one of {', '.join(MEASURED_ON)}")
+
+
+def _pair(row: dict) -> tuple:
+    return row["model"], row["target"], row["precision"], row["measured_on"]
+
+
+def merge_rows(rows: list[dict], new_rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """``rows`` with ``new_rows`` appended (a row whose id is there already is left out);
+    a new current row supersedes the current rows of its model, target, precision and
+    measurement. Returns the rows and the ids added."""
+    merged = [dict(row) for row in rows]
+    known = {row["id"] for row in merged}
+    added = []
+    for new in new_rows:
+        if new["id"] in known:
+            continue
+        if new["status"] == "current":
+            for row in merged:
+                if row["status"] == "current" and _pair(row) == _pair(new):
+                    row["status"] = "superseded"
+                    row["superseded_by"] = new["id"]
+        merged.append(dict(new))
+        known.add(new["id"])
+        added.append(new["id"])
+    check_rows(merged)
+    return merged, added
+
+
+def append_rows(path, new_rows: list[dict], header: str = HEADER) -> list[str]:
+    """Merge ``new_rows`` into the data file at ``path`` (the bench scripts' entry)."""
+    merged, added = merge_rows(load_rows(path), new_rows)
+    if added:
+        write_rows(path, merged, header)
+    return added
+
+
+def figures_of(verification: dict) -> dict:
+    """The figures a row keeps, from a compile record's ``verification``."""
+    perplexity = verification.get("perplexity") or {}
+    return {
+        "positions": verification.get("positions"),
+        "cosine": verification.get("cosine"),
+        "cosine_mean": verification.get("cosine_mean"),
+        "top1": verification.get("top1_agreement"),
+        "perplexity_delta": perplexity.get("delta"),
+        "passed": verification.get("passed"),
+    }
+
+
+def measured_on(backend: str) -> str:
+    return "onnxruntime CPU" if backend == "onnx" else VENDOR_SIMULATOR
+
+
+def snakemake_command(model: str, target: str, precision: str) -> str:
+    return (
+        f".venv/bin/snakemake --cores all --config model={model} target={target} "
+        f"precision={precision}"
+    )
+
+
+def options_digest(manifest: dict) -> str:
+    """What a bundle was built with, as 12 hex digits: the target's options and export
+    needs and the keys of the exports it read (each key hashes every export option)."""
+    chosen = {
+        "target": {k: manifest["target"].get(k) for k in ("options", "export")},
+        "exports": [e["key"] for e in manifest["inputs"]["exports"]],
+    }
+    return hashlib.sha256(dumps_json(chosen).encode()).hexdigest()[:12]
+
+
+def build_row(*, model, target, precision, backend, figures, toolchain, date, commit,
+              command, source, setting, digest=None, row_id=None) -> dict:  # fmt: skip
+    """A current row of one measured build. Without ``row_id`` the id is a digest of the
+    build and its figures, so recording the same measurement twice adds one row."""
+    if row_id is None:
+        key = dumps_json([model, target, precision, figures, commit, digest])
+        row_id = f"{model}/{target}/{precision}@{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    row = {
+        "id": row_id,
+        "model": model,
+        "target": target,
+        "precision": precision,
+        "setting": setting,
+        "options_digest": digest,
+        "measured_on": measured_on(backend),
+        "figures": figures,
+        "toolchain": toolchain,
+        "date": date,
+        "commit": commit,
+        "command": command,
+        "source": source,
+        "status": "current",
+    }
+    return {key: value for key, value in row.items() if value is not None}
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def rows_from_index(index: dict, release_dir, date: str | None = None) -> list[dict]:
+    """One current row per bundle of a release index, with the npuforge commit and options
+    its manifest records."""
+    rows = []
+    for bundle in index["bundles"]:
+        manifest_path = Path(release_dir, bundle["model"], bundle["target"], bundle["precision"])
+        manifest = read_json(manifest_path / "manifest.json")
+        git = (manifest.get("npuforge") or {}).get("git") or {}
+        commit = git.get("commit") or "unknown"
+        if git.get("dirty"):
+            commit += " (dirty)"
+        verification = manifest.get("verification") or {}
+        figures = figures_of(verification) if verification else dict(bundle["fidelity"])
+        figures["binary_bytes"] = bundle["binary_bytes"]
+        toolchain = dict(bundle["toolchain"]["versions"] or {})
+        if bundle["toolchain"].get("runtime"):
+            toolchain["runtime"] = bundle["toolchain"]["runtime"]
+        rows.append(
+            build_row(
+                model=bundle["model"],
+                target=bundle["target"],
+                precision=bundle["precision"],
+                backend=bundle["backend"],
+                figures=figures,
+                toolchain=toolchain,
+                date=date or today(),
+                commit=commit,
+                command=snakemake_command(bundle["model"], bundle["target"], bundle["precision"]),
+                source="release index",
+                setting=f"as built at {commit[:7]} (options {options_digest(manifest)})",
+                digest=options_digest(manifest),
+                row_id=(
+                    f"{bundle['model']}/{bundle['target']}/{bundle['precision']}"
+                    f"@{bundle['manifest_sha256'][:12]}"
+                ),
+            )
+        )
+    return rows
+
+
+def record_index(index_path, data_path, date: str | None = None) -> list[str]:
+    """Merge one row per bundle of a release index into the data file; the ids added."""
+    index_path = Path(index_path)
+    rows = rows_from_index(read_json(index_path), index_path.parent, date)
+    return append_rows(data_path, rows)
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def _number(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def percent(delta) -> str:
+    """A perplexity change (a fraction) as the docs write it: +0.42 %, -0.024 %, +445 %."""
+    if delta is None:
+        return "–"
+    value = delta * 100
+    size = abs(value)
+    if size >= 1000:
+        return f"{value:+,.0f} %"
+    decimals = 0 if size >= 100 else 1 if size >= 10 else 2 if size >= 0.1 else 3
+    return f"{value:+.{decimals}f} %"
+
+
+def cosine_cell(figures: dict) -> str:
+    worst, mean = figures.get("cosine"), figures.get("cosine_mean")
+    if mean is None:
+        return _number(worst)
+    return f"{_number(worst)} / {_number(mean)}"
+
+
+def gate_cell(figures: dict) -> str:
+    passed = figures.get("passed")
+    if passed is None:
+        return "–"
+    return "passes" if passed else "**fails**"
+
+
+def escape(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(escape(cell) for cell in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _vendor_rows(rows, model, target, precision):
+    return [
+        row
+        for row in rows
+        if (row["model"], row["target"], row["precision"]) == (model, target, precision)
+        and row["measured_on"] == VENDOR_SIMULATOR
+    ]
+
+
+def _best_failure(rows):
+    """The failed build with the highest top-1 (then the smallest perplexity change)."""
+    failed = [r for r in rows if r["figures"].get("passed") is False]
+    scored = [r for r in failed if r["figures"].get("top1") is not None]
+    if not scored:
+        return failed[-1] if failed else None
+    return max(
+        scored,
+        key=lambda r: (r["figures"]["top1"], -abs(r["figures"].get("perplexity_delta") or 0)),
+    )
+
+
+def pair_status(rows, model, target, precision) -> tuple[str, dict | None]:
+    """(status, the row its figures come from) of one SoC and precision on ``model``."""
+    measured = _vendor_rows(rows, model, target, precision)
+    if not measured:
+        return "not measured", None
+    current = [r for r in measured if r["status"] == "current"]
+    passing = [r for r in current if r["figures"].get("passed")]
+    if passing:
+        row = passing[-1]
+        lever = row.get("exact_on_source")
+        if lever:
+            return f"passes, 4-bit exact by construction (`{lever}`)†", row
+        return "passes", row
+    best = _best_failure(measured)
+    if best is None:
+        return "no current measurement", None
+    if best["status"] == "current":
+        return "**fails**", best
+    tried = len([r for r in measured if r["figures"].get("passed") is False])
+    return f"**fails**; best of {tried} builds: {best['setting']}", best
+
+
+def support_matrix(rows, targets: dict, model: str) -> str:
+    """SoC x precision x status on ``model``: every registry target but the reference, in
+    registry order; targets never measured on the model share one line per backend."""
+    body, unmeasured = [], {}
+    for target, entry in targets.items():
+        backend = entry.get("backend")
+        if backend == "onnx":
+            continue
+        precisions = list(entry.get("precisions") or {})
+        if not any(_vendor_rows(rows, model, target, p) for p in precisions):
+            unmeasured.setdefault(backend, ([], []))
+            names, union = unmeasured[backend]
+            names.append(target)
+            union += [p for p in precisions if p not in union]
+            continue
+        for precision in precisions:
+            status, row = pair_status(rows, model, target, precision)
+            figures = row["figures"] if row else {}
+            measured = f"{row['date']}, {figures.get('positions')} positions" if row else "–"
+            body.append(
+                [
+                    f"{target} ({backend})",
+                    precision,
+                    status,
+                    _number(figures.get("top1")) if row else "–",
+                    percent(figures.get("perplexity_delta")) if row else "–",
+                    _number(figures.get("cosine")) if row else "–",
+                    measured,
+                ]
+            )
+    for backend, (names, union) in unmeasured.items():
+        body.append([f"{', '.join(names)} ({backend})", ", ".join(union), "not measured"])
+        body[-1] += ["–"] * 4
+    header = ["SoC", "precision", f"on {model}", "top-1", "perplexity", "worst cosine",
+              "measured"]  # fmt: skip
+    table = markdown_table(header, body)
+    if any("†" in row[2] for row in body):
+        table += (
+            "\n\n† The checkpoint is a Q4_1 GGUF: its weights are already 4-bit in blocks "
+            "of 32 with a scale and minimum each, and the lever named puts those blocks on "
+            "the quantizer's grid, so the 4-bit weights lose nothing here. A model not "
+            "stored in 4-bit blocks has no such guarantee."
+        )
+    return table
+
+
+def series_table(rows, name: str) -> str:
+    """A lever table: the rows of one series in data order, their columns as needed."""
+    chosen = [row for row in rows if row.get("series") == name]
+    if not chosen:
+        raise NpuforgeError(f"no data rows of series '{name}'; add them or fix the marker")
+    columns = [("setting", lambda r: r["setting"])]
+    if len({r["target"] for r in chosen}) > 1 or len({r["precision"] for r in chosen}) > 1:
+        columns.insert(0, ("build", lambda r: f"{r['model']} {r['target']} {r['precision']}"))
+    if len({r["measured_on"] for r in chosen}) > 1:
+        columns.append(("on", lambda r: r["measured_on"]))
+    columns += [
+        ("positions", lambda r: _number(r["figures"].get("positions"))),
+        ("cosine (worst / mean)", lambda r: cosine_cell(r["figures"])),
+        ("top-1", lambda r: _number(r["figures"].get("top1"))),
+        ("perplexity", lambda r: percent(r["figures"].get("perplexity_delta"))),
+        ("gate", lambda r: gate_cell(r["figures"])),
+    ]
+    if any(r["figures"].get("binary_bytes") for r in chosen):
+        columns.append(("binary", lambda r: _bytes(r["figures"].get("binary_bytes"))))
+    if any(r.get("note") or r["figures"].get("failure") for r in chosen):
+        columns.append(("note", _note))
+    columns += [
+        ("date", lambda r: r["date"]),
+        ("status", lambda r: r["status"]),
+    ]
+    return markdown_table(
+        [title for title, _ in columns], [[cell(r) for _, cell in columns] for r in chosen]
+    )
+
+
+def _bytes(value) -> str:
+    return "–" if not value else f"{value:,} B"
+
+
+def _note(row) -> str:
+    parts = [row["figures"].get("failure"), row.get("note")]
+    return "; ".join(str(p) for p in parts if p) or ""
+
+
+BENCH_LABELS = {"tokens_per_s": "tokens/s"}
+
+
+def bench_table(bench_rows, family: str) -> str:
+    """One bench family's rows: its setting, then each figure as the first row names it."""
+    chosen = [row for row in bench_rows if row.get("family") == family]
+    if not chosen:
+        raise NpuforgeError(f"no bench rows of family '{family}'; add them or fix the marker")
+    keys = list(chosen[0]["figures"])
+    header = ["setting", *(BENCH_LABELS.get(k, k.replace("_", " ")) for k in keys), "date"]
+    body = [
+        [row["setting"], *(_number(row["figures"].get(k)) for k in keys), row["date"]]
+        for row in chosen
+    ]
+    return markdown_table(header, body)
+
+
+# --------------------------------------------------------------------------- pages
+
+MARKER = re.compile(
+    r"(?P<open><!-- table:(?P<kind>[\w-]+)(?P<params>(?: [\w-]+=[^ ]+)*) -->\n)"
+    r"(?P<body>.*?)"
+    r"(?P<close><!-- /table -->)",
+    re.S,
+)
+
+
+def render(kind: str, params: dict, data: dict) -> str:
+    if kind == "support-matrix":
+        return support_matrix(data["builds"], data["targets"], params["model"])
+    if kind == "series":
+        return series_table(data["builds"], params["name"])
+    if kind == "bench":
+        return bench_table(data["benches"], params["family"])
+    raise NpuforgeError(f"unknown table kind '{kind}' (support-matrix, series, bench)")
+
+
+def generated_text(text: str, data: dict) -> str:
+    """``text`` with every marked table rewritten from ``data``."""
+
+    def replace(match):
+        params = dict(p.split("=", 1) for p in match["params"].split())
+        return f"{match['open']}{render(match['kind'], params, data)}\n{match['close']}"
+
+    return MARKER.sub(replace, text)
+
+
+def load_data(root) -> dict:
+    root = Path(root)
+    builds = load_rows(root / BUILDS)
+    check_rows(builds)
+    benches = load_rows(root / BENCHES)
+    targets = yaml.safe_load((root / "config" / "targets.yaml").read_text(encoding="utf-8"))
+    return {"builds": builds, "benches": benches, "targets": targets}
+
+
+def pages(root) -> list[Path]:
+    root = Path(root)
+    found = {path for pattern in PAGES for path in root.glob(pattern)}
+    return sorted(path for path in found if MARKER.search(path.read_text(encoding="utf-8")))
+
+
+def stale_pages(root) -> list[Path]:
+    """The pages whose generated tables differ from what the data gives."""
+    data = load_data(root)
+    return [
+        page
+        for page in pages(root)
+        if generated_text(page.read_text(encoding="utf-8"), data)
+        != page.read_text(encoding="utf-8")
+    ]
+
+
+def regenerate(root) -> list[Path]:
+    """Rewrite every generated table under ``root`` from the data; the pages changed."""
+    data = load_data(root)
+    changed = []
+    for page in pages(root):
+        text = page.read_text(encoding="utf-8")
+        new = generated_text(text, data)
+        if new != text:
+            with atomic_path(page) as tmp:
+                Path(tmp).write_text(new, encoding="utf-8")
+            changed.append(page)
+    return changed
+
+
+def summary(added: list[str], changed: list[Path], root) -> str:
+    return json.dumps(
+        {"rows_added": added, "pages_rewritten": [str(p.relative_to(root)) for p in changed]},
+        indent=2,
+    )
