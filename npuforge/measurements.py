@@ -57,7 +57,10 @@ HEADER = """\
 #   series         the lever table (docs/backends/*.md) that lists the row
 #   exact_on_source the lever that makes 4-bit weights exact on a 4-bit source checkpoint
 #   commit         the npuforge commit the figures were measured at (or, transcribed,
-#                  the commit that first recorded them)
+#                  the commit that first recorded them); command: run at that commit
+#   status         current: the latest measurement of what the registry builds;
+#                  superseded: every earlier one, overlays and levers not kept
+#                  (superseded_by names the row that replaced it, where recorded)
 """
 BENCHES_HEADER = """\
 # Measured figures of the bench scripts other than builds' fidelity (bench/*.py), one

@@ -7,8 +7,9 @@ rule export:
         directory(f"{RESULTS}/export/{{model}}/{{key}}"),
     log:
         f"{RESULTS}/logs/export/{{model}}/{{key}}.log",
-    # Between workflows: snakemake --cache with SNAKEMAKE_OUTPUT_CACHE set (README); a
-    # cached rule cannot have a benchmark record (a cache hit has no run to measure).
+    # Between workflows: snakemake --cache with SNAKEMAKE_OUTPUT_CACHE set
+    # (docs/planning-and-caches.md); a cached rule cannot have a benchmark record (a
+    # cache hit has no run to measure).
     cache: True
     conda:
         MAIN_ENV

@@ -260,7 +260,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             )
             write_json(staging / "compile.json", record)
             fix = (
-                "a trained Llama needs the export's fp16_fixes and a kv_prefix (README)"
+                "a trained Llama needs the export's fp16_fixes and a kv_prefix (docs/models.md)"
                 if precision == "fp16"
                 else (
                     "set the model's export kv_prefix and calibration samples, keep more "
