@@ -12,6 +12,7 @@ import pytest
 from chromium import Page, unavailable_reason
 from conftest import REPO, copy_workflow, run_script, snakemake
 
+from npuforge import measurements
 from npuforge.fileio import sha256_file
 from npuforge.release_index import read_benchmark
 
@@ -86,6 +87,39 @@ def test_compile_benchmark_record_reaches_the_report_table(built):
     cells = re.findall(r"<td>(.*?)</td>", table)
     assert cells[:3] == list(BUNDLE)
     assert f"{bench['seconds']:.1f}" in cells and f"{bench['max_rss_mb']:.1f}" in cells
+
+
+def test_docs_target_records_each_bundle_once(built):
+    # The checkout's docs beside the workflow copy: the target writes them.
+    shutil.copytree(REPO / "docs", built / "docs", dirs_exist_ok=True)
+    shutil.copy2(REPO / "README.md", built / "README.md")
+    data = built / measurements.BUILDS
+    before = measurements.load_rows(data)
+    snakemake(built, "docs", check=True)
+    (bundle,) = json.loads((built / "results" / "release" / "index.json").read_text())["bundles"]
+    rows = measurements.load_rows(data)
+    assert rows[: len(before)] == before
+    (row,) = rows[len(before) :]
+    assert row["id"] == f"rwkv7-demo/onnx/fp32@{bundle['manifest_sha256'][:12]}"
+    assert (row["model"], row["target"], row["precision"]) == BUNDLE
+    figures = bundle["fidelity"]
+    assert row["figures"]["cosine"] == figures["cosine"]
+    assert row["figures"]["top1"] == figures["top1"]
+    assert row["figures"]["perplexity_delta"] == figures["perplexity_delta"]
+    assert row["figures"]["passed"] is True
+    assert row["figures"]["binary_bytes"] == bundle["binary_bytes"]
+    assert row["measured_on"] == "onnxruntime CPU" and row["status"] == "current"
+    assert row["date"] == measurements.today()
+    assert "--config model=rwkv7-demo target=onnx precision=fp32" in row["command"]
+    recorded = json.loads((built / "results" / "docs" / "recorded.json").read_text())
+    assert recorded["rows_added"] == [row["id"]]
+    assert measurements.stale_pages(built) == []
+    # The same index again adds nothing.
+    index = built / "results" / "release" / "index.json"
+    result = run_script("docs_data.py", "--root", built, "--index", index)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["rows_added"] == []
+    assert measurements.load_rows(data) == rows
 
 
 def click_result(page, label):
