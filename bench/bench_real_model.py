@@ -12,6 +12,10 @@ given targets and precisions with the workflow, then prints two tables:
 
     python bench/bench_real_model.py [--targets onnx,RK3588,SM8650] [--precisions all]
                                      [--model smollm2-135m] [--results /tmp/npuforge-bench-real]
+                                     [--record docs/data/builds.yaml]
+
+--record adds one row per binary's figures to the docs' data (npuforge.measurements), from
+which the docs' tables are generated (python workflow_scripts/docs_data.py).
 
 A build that fails its gate still reports its figures (the run keeps going).
 Reruns reuse what the results directory holds; pass a fresh --results to time
@@ -27,6 +31,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 # The figures a failed gate's line names (npuforge.backends.base.check_gate).
 FAILURE_FIGURES = {
     "positions": r"over (\d+) positions",
@@ -36,8 +41,8 @@ FAILURE_FIGURES = {
 }
 
 
-def build(args) -> int:
-    command = [
+def build_command(args) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "snakemake",
@@ -50,6 +55,10 @@ def build(args) -> int:
         f"precision={args.precisions}",
         f"results={args.results}",
     ]
+
+
+def build(args) -> int:
+    command = build_command(args)
     print("$", " ".join(command), flush=True)
     return subprocess.run(command, cwd=REPO).returncode
 
@@ -104,6 +113,68 @@ def failed_figures(line: str) -> tuple:
     return found["positions"], found["cosine"], found["top1"], found["ppl"], verdict
 
 
+def record(args) -> list[str]:
+    """One data row per binary the results hold: its verification figures, or a failed
+    gate's figures from its one line."""
+    from npuforge import measurements
+    from npuforge.release import git_provenance
+
+    git = git_provenance()
+    commit = git["commit"] + (" (dirty)" if git["dirty"] else "")
+    rows = []
+    for compiled in sorted((args.results / "compile" / args.model).glob("*/*/compile.json")):
+        record = json.loads(compiled.read_text())
+        rows.append(
+            (
+                record["backend"],
+                compiled.parent.parent.name,
+                compiled.parent.name,
+                measurements.figures_of(record.get("verification") or {}),
+                (record.get("toolchain") or {}).get("versions") or {},
+            )
+        )
+    backends = {t: e["backend"] for t, e in _targets().items()}
+    for log in sorted((args.results / "logs" / "compile" / args.model).glob("*/*.log")):
+        target, precision = log.parent.name, log.stem
+        if (args.results / "compile" / args.model / target / precision / "compile.json").exists():
+            continue
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+        positions, cosine, top1, ppl, verdict = failed_figures(errors[-1] if errors else "")
+        if not cosine:
+            continue  # stopped before its gate: no figures to keep
+        figures = {
+            "positions": int(positions) if positions else None,
+            "cosine": float(cosine),
+            "top1": float(top1) if top1 else None,
+            "perplexity_delta": float(ppl.rstrip("%")) / 100 if ppl else None,
+            "passed": False,
+        }
+        rows.append((backends[target], target, precision, figures, {}))
+    new = [
+        measurements.build_row(
+            model=args.model,
+            target=target,
+            precision=precision,
+            backend=backend,
+            figures=figures,
+            toolchain=versions,
+            date=measurements.today(),
+            commit=commit,
+            command=measurements.snakemake_command(args.model, target, precision),
+            source="bench/bench_real_model.py",
+            setting=f"the registry's settings at {commit[:7]}",
+        )
+        for backend, target, precision, figures, versions in rows
+    ]
+    return measurements.append_rows(args.record, new)
+
+
+def _targets() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+
+
 def table(header: tuple, rows: list[tuple]) -> str:
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -120,6 +191,7 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-real"))
     parser.add_argument("--cores", type=int, default=1, help="1: stages do not share the CPU")
     parser.add_argument("--report-only", action="store_true", help="print what --results holds")
+    parser.add_argument("--record", type=Path, help="add the figures to this data file")
     args = parser.parse_args()
     code = 0 if args.report_only else build(args)
     print()
@@ -127,6 +199,9 @@ def main() -> int:
     print()
     header = ("target", "precision", "positions", "cosine", "top-1", "ppl delta", "gate")
     print(table(header, fidelity_rows(args.results, args.model)))
+    if args.record:
+        added = record(args)
+        print(f"\n{len(added)} rows added to {args.record}")
     return code
 
 
