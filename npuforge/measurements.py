@@ -189,8 +189,23 @@ def options_digest(manifest: dict) -> str:
     return hashlib.sha256(dumps_json(chosen).encode()).hexdigest()[:12]
 
 
+SPLIT_LEVERS = ("group_offsets", "block_centres")
+
+
+def exact_lever(manifest: dict) -> str | None:
+    """The export option that put every weight group it split on the 4-bit grid (its
+    ``export.json`` record: ``on_4bit_grid`` equal to ``matmuls``), if one did: such a
+    build's 4-bit weights are exact by construction, which its figures should say."""
+    for export in manifest["inputs"]["exports"]:
+        for lever in SPLIT_LEVERS:
+            record = export["export"].get(lever) or {}
+            if record.get("matmuls") and record.get("on_4bit_grid") == record["matmuls"]:
+                return lever
+    return None
+
+
 def build_row(*, model, target, precision, backend, figures, toolchain, date, commit,
-              command, source, setting, digest=None, row_id=None) -> dict:  # fmt: skip
+              command, source, setting, digest=None, row_id=None, exact=None) -> dict:  # fmt: skip
     """A current row of one measured build. Without ``row_id`` the id is a digest of the
     build and its figures, so recording the same measurement twice adds one row."""
     if row_id is None:
@@ -211,6 +226,7 @@ def build_row(*, model, target, precision, backend, figures, toolchain, date, co
         "command": command,
         "source": source,
         "status": "current",
+        "exact_on_source": exact,
     }
     return {key: value for key, value in row.items() if value is not None}
 
@@ -254,6 +270,7 @@ def rows_from_index(index: dict, release_dir, date: str | None = None) -> list[d
                     f"{bundle['model']}/{bundle['target']}/{bundle['precision']}"
                     f"@{bundle['manifest_sha256'][:12]}"
                 ),
+                exact=exact_lever(manifest),
             )
         )
     return rows

@@ -128,6 +128,18 @@ def test_append_rows_writes_the_data_file_a_bench_script_shares(tmp_path):
     assert data.read_text().startswith(measurements.HEADER)
 
 
+def test_a_build_whose_4bit_groups_all_sit_on_the_grid_names_its_lever():
+    def manifest(**record):
+        return {"inputs": {"exports": [{"key": "k", "export": record}]}}
+
+    on_grid = {"group": 32, "matmuls": 210, "on_4bit_grid": 210}
+    assert measurements.exact_lever(manifest(group_offsets=on_grid)) == "group_offsets"
+    assert measurements.exact_lever(manifest(block_centres=on_grid)) == "block_centres"
+    off_grid = dict(on_grid, on_4bit_grid=209)
+    assert measurements.exact_lever(manifest(group_offsets=off_grid)) is None
+    assert measurements.exact_lever(manifest()) is None
+
+
 def test_malformed_rows_are_refused_in_one_line():
     with pytest.raises(NpuforgeError, match="missing commit"):
         measurements.check_rows([{k: v for k, v in row("a").items() if k != "commit"}])
