@@ -21,7 +21,7 @@ from conftest import script_env
 from npuforge.backends import base, qnn, qnn_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import sha256_file
-from npuforge.jobs import job_stage, qnn_graph
+from npuforge.jobs import job_stage, qnn_graph, qnn_quantizer
 
 REPO = Path(__file__).resolve().parents[1]
 SM8650 = qnn.Options(htp_arch=75, soc_model=57, vtcm_mb=8, verify_steps=32)
@@ -358,6 +358,30 @@ def test_row_matmuls_of_two_activations_become_mul_reducesum():
     after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
     for a, b in zip(before, after, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_quantizer_runs_on_the_onnxruntime_its_lock_pins():
+    # Its replacements of onnxruntime's private quantizer functions were written for
+    # that version: a lock bumped alone must fail here, not change models silently.
+    lock = (REPO / "envs" / "qnn" / "requirements.lock").read_text().splitlines()
+    assert f"onnxruntime=={qnn_quantizer.ONNXRUNTIME_VERSION}" in lock
+    assert qnn_quantizer.onnxruntime_problem(qnn_quantizer.ONNXRUNTIME_VERSION) is None
+
+
+def test_another_onnxruntime_is_refused_in_one_line_before_any_patching(monkeypatch):
+    import onnxruntime
+    from onnxruntime.quantization import quant_utils
+
+    lookup = quant_utils.find_by_name
+    monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")
+    with pytest.raises(RuntimeError) as err:
+        qnn_quantizer._quantizer_without_quadratic_scans()
+    message = str(err.value)
+    assert "\n" not in message and "onnxruntime 1.32.0" in message
+    assert f"onnxruntime=={qnn_quantizer.ONNXRUNTIME_VERSION} in envs/qnn/requirements.lock" in (
+        message
+    )
+    assert quant_utils.find_by_name is lookup
 
 
 def test_spec_roles_and_ctx_names(tmp_path):

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from qnn_log import log
-from qnn_quantizer import quantize_graph
+from qnn_quantizer import quantize_graph, require_onnxruntime
 from qnn_session import (
     GENERATION_OPTIONS,
     cpu_session,
@@ -224,6 +224,8 @@ def compile_chunks(spec: dict, spec_path: str) -> dict:
     """Compile every chunk in a fresh pinned process from its own stage (job_stage.py
     explains why), generating contexts prepare-only (GENERATION_OPTIONS): no simulator
     threads run beside the serialiser."""
+    if spec["precision"] != "fp16":
+        require_onnxruntime()  # here, not in a chunk process: its line ends the job's output
     Path(spec["out_dir"]).mkdir(parents=True, exist_ok=True)
     work_dir = Path(spec["work_dir"])
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,33 @@ def _sample_reader(samples: list, inputs: list):
     return SampleReader()
 
 
+# The onnxruntime whose private quantizer functions _quantizer_without_quadratic_scans
+# replaces (envs/qnn/requirements.lock pins it; a test keeps the two equal). Rewriting
+# the Q/DQ insertion instead would mean repeating its per-op rules to the byte.
+ONNXRUNTIME_VERSION = "1.31.1"
+
+
+def onnxruntime_problem(found: str) -> str | None:
+    """Why the quantizer cannot run on onnxruntime ``found``, as one line; None if it can."""
+    if found == ONNXRUNTIME_VERSION:
+        return None
+    return (
+        f"error: the QNN quantizer replaces private functions of onnxruntime "
+        f"{ONNXRUNTIME_VERSION} and this toolchain has onnxruntime {found}: pin "
+        f"onnxruntime=={ONNXRUNTIME_VERSION} in envs/qnn/requirements.lock, or port "
+        "_quantizer_without_quadratic_scans (npuforge/jobs/qnn_quantizer.py) to it"
+    )
+
+
+def require_onnxruntime() -> None:
+    """Raise the one line of ``onnxruntime_problem`` for the onnxruntime installed here."""
+    import onnxruntime
+
+    problem = onnxruntime_problem(onnxruntime.__version__)
+    if problem:
+        raise RuntimeError(problem)
+
+
 def _quantizer_without_quadratic_scans() -> None:
     """Give onnxruntime's quantizer and calibrator their lookups without full scans.
 
@@ -72,11 +99,13 @@ def _quantizer_without_quadratic_scans() -> None:
     only nodes holding the input are visited (an index of consumers), and names are
     looked up in an index of each long list. The replacement also counts the tensors
     done, for the log. The min/max calibrator's graph augmentation is rebuilt in one
-    pass (see below).
+    pass (see below). Refuses any other onnxruntime (``onnxruntime_problem``), whose
+    internals these replacements would silently get wrong.
     """
     import onnxruntime.quantization as package
     from onnxruntime.quantization import calibrate, onnx_model, quant_utils
 
+    require_onnxruntime()
     original = quant_utils.find_by_name
     if getattr(original, "npuforge_fast", False):
         return
