@@ -2,10 +2,11 @@
 
 Shipped as ``run.py`` in every release bundle (``npuforge.release``), so it imports
 nothing from npuforge: the standard library and numpy at module level, the runtime
-of the bundle's backend only when it is used. Everything it needs comes from the
-bundle: ``manifest.json`` (the family, the export's graph I/O with the role of every
-input, the compiled artifacts, the toolchain versions), the tokenizer file and
-``embedding.bin``.
+of the bundle's backend only when it is used. One file by design, however long: a
+bundle's user runs it with no package beside it, so it is not split into modules.
+Everything it needs comes from the bundle: ``manifest.json`` (the family, the
+export's graph I/O with the role of every input, the compiled artifacts, the
+toolchain versions), the tokenizer file and ``embedding.bin``.
 
     python run.py --prompt "The quick brown fox" --max-new-tokens 32
     python run.py --prompt "..." --temperature 0.8 --top-p 0.9 --seed 1 --report out.json

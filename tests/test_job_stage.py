@@ -135,3 +135,25 @@ def test_a_relayed_process_writes_to_a_pipe_wherever_the_job_writes(tmp_path):
     assert run.returncode == 0
     lines = (tmp_path / "log").read_text().splitlines()
     assert lines == ["out [True, True]", "err", "code 3"]
+
+
+def test_a_qnn_stage_holds_every_module_the_job_imports():
+    """A chunk process imports the QNN job's modules from its stage (make_stage copies
+    them in): one left out would fail only inside a real compile."""
+    import ast
+    from pathlib import Path
+
+    import qnn_job
+
+    jobs = Path(qnn_job.__file__).parent
+    staged = {Path(path).stem for path in qnn_job.job_files()}
+    imported = set()
+    for name in staged:
+        for node in ast.walk(ast.parse((jobs / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported.add(node.module)
+    siblings = imported & {path.stem for path in jobs.glob("*.py")}
+    assert {"job_stage", "qnn_quantizer", "qnn_session", "qnn_graph", "qnn_log"} <= siblings
+    assert "qnn_job" in staged and siblings <= staged

@@ -134,19 +134,19 @@ def test_llama_calibration_covers_the_first_positions(exports, tmp_path):
                 np.testing.assert_array_equal(got, llama_export.extra_inputs(meta, item, position))
 
 
-# The backend's own EP setup (qnn_job: register_qnn, provider_options, simulator_session).
+# The backend's own EP setup (qnn_session: register_qnn, provider_options, simulator_session).
 HTP_RUN = """
 import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import qnn_job
+import qnn_session
 
-ort, devices, htp_library = qnn_job.register_qnn()
+ort, devices, htp_library = qnn_session.register_qnn()
 spec = {"soc_model": 57, "htp_arch": 75, "precision": "fp16"}
-options = qnn_job.provider_options(spec, htp_library)
+options = qnn_session.provider_options(spec, htp_library)
 x = np.load(sys.argv[2])
 for model in sys.argv[3:]:
-    session = qnn_job.simulator_session(ort, devices, options, model)
+    session = qnn_session.simulator_session(ort, devices, options, model)
     np.save(model + ".out.npy", session.run(None, {"x": x})[0])
 """
 

@@ -21,7 +21,7 @@ from conftest import script_env
 from npuforge.backends import base, qnn, qnn_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import sha256_file
-from npuforge.jobs import job_stage, qnn_job
+from npuforge.jobs import job_stage, qnn_graph, qnn_quantizer
 
 REPO = Path(__file__).resolve().parents[1]
 SM8650 = qnn.Options(htp_arch=75, soc_model=57, vtcm_mb=8, verify_steps=32)
@@ -151,7 +151,7 @@ def test_sensitive_overrides_keep_norms_decay_and_state_at_16_bit(tmp_path):
 
     export = qnn_fixtures.make_export(tmp_path / "export", chunks=2)
     model = onnx.load(export / "chunk1.onnx")
-    overrides, norms = qnn_job.sensitive_overrides(
+    overrides, norms = qnn_graph.sensitive_overrides(
         model, ["state_1_wkv", "state_1_wkv_out", "not_in_graph"], "U16"
     )
     assert norms == ["ln1_b", "ln1_w", "ln_out_b", "ln_out_w"]
@@ -186,7 +186,7 @@ def test_max_scaled_norm_ranges_bound_the_fp16_safe_llama_norms_on_any_row(tmp_p
             fp16_fixes=fixes,
         )
         model = onnx.load(tmp_path / f"x{fixes}" / "chunk0.onnx")
-        found[fixes] = qnn_job.max_scaled_norm_ranges(model)
+        found[fixes] = qnn_graph.max_scaled_norm_ranges(model)
     assert found[False] == {}
     ranges = found[True]
     root = math.sqrt(embed)
@@ -254,7 +254,7 @@ def test_squares_become_mul_and_their_exponents_go():
     x = np.array([-3.0, -1.5, -1e-3, 0.0, 0.5, 2.0], np.float32)
     want = x**2 + x**3
 
-    assert qnn_job.squares_to_mul(model) == ["square"]
+    assert qnn_graph.squares_to_mul(model) == ["square"]
     ops = [n.op_type for n in model.graph.node]
     # Only the square changes; the cube keeps its exponent, the unused Constant is gone.
     assert ops == ["Mul", "Pow", "Add"]
@@ -293,14 +293,14 @@ def test_residual_branches_get_ranges_covering_their_stream():
         [weight("w_o"), weight("w_down"), weight("w_b"), bias],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    pairs = qnn_job.residual_branches(model)
+    pairs = qnn_graph.residual_branches(model)
     assert pairs == [("x", "attn"), ("h", "mlp")]
 
     def span(lo, hi):
         return {"rmin": np.float32(lo), "rmax": np.float32(hi)}
 
     ranges = {"x": span(-10, 40), "attn": span(-1, 2), "h": span(-3, 5), "mlp": span(-60, 1)}
-    covered = qnn_job.ranges_covering_stream(ranges, pairs)
+    covered = qnn_graph.ranges_covering_stream(ranges, pairs)
     # The branch reaches as far as its stream on both sides; its own wider side stays.
     assert {k: (float(v["rmin"]), float(v["rmax"])) for k, v in covered.items()} == {
         "attn": (-40.0, 40.0),
@@ -343,7 +343,7 @@ def test_row_matmuls_of_two_activations_become_mul_reducesum():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     original = model.SerializeToString()
-    assert qnn_job.row_matmuls_to_mul_reducesum(model) == (["read"], ["blind"])
+    assert qnn_graph.row_matmuls_to_mul_reducesum(model) == (["read"], ["blind"])
     onnx.checker.check_model(model)
     ops = [node.op_type for node in model.graph.node]
     assert ops == ["Transpose", "Mul", "ReduceSum", "MatMul", "MatMul", "Reshape", "MatMul"]
@@ -358,6 +358,30 @@ def test_row_matmuls_of_two_activations_become_mul_reducesum():
     after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
     for a, b in zip(before, after, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_quantizer_runs_on_the_onnxruntime_its_lock_pins():
+    # Its replacements of onnxruntime's private quantizer functions were written for
+    # that version: a lock bumped alone must fail here, not change models silently.
+    lock = (REPO / "envs" / "qnn" / "requirements.lock").read_text().splitlines()
+    assert f"onnxruntime=={qnn_quantizer.ONNXRUNTIME_VERSION}" in lock
+    assert qnn_quantizer.onnxruntime_problem(qnn_quantizer.ONNXRUNTIME_VERSION) is None
+
+
+def test_another_onnxruntime_is_refused_in_one_line_before_any_patching(monkeypatch):
+    import onnxruntime
+    from onnxruntime.quantization import quant_utils
+
+    lookup = quant_utils.find_by_name
+    monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")
+    with pytest.raises(RuntimeError) as err:
+        qnn_quantizer._quantizer_without_quadratic_scans()
+    message = str(err.value)
+    assert "\n" not in message and "onnxruntime 1.32.0" in message
+    assert f"onnxruntime=={qnn_quantizer.ONNXRUNTIME_VERSION} in envs/qnn/requirements.lock" in (
+        message
+    )
+    assert quant_utils.find_by_name is lookup
 
 
 def test_spec_roles_and_ctx_names(tmp_path):
@@ -780,16 +804,16 @@ def test_prefill_and_decode_share_one_context(qnn_stamp, workspace):
 QUANTIZE_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import qnn_job
+import qnn_quantizer
 args = json.loads(sys.argv[2])
 if args.pop("plain", False):
-    qnn_job._quantizer_without_quadratic_scans = lambda: None
+    qnn_quantizer._quantizer_without_quadratic_scans = lambda: None
 if args.pop("calibrate_twice", False):
-    once = qnn_job._quantize
-    qnn_job._quantize = lambda model, target, config, measured, work: once(
+    once = qnn_quantizer._quantize
+    qnn_quantizer._quantize = lambda model, target, config, measured, work: once(
         model, target, config, None, work)
 reads = []
-sample_reader = qnn_job._sample_reader
+sample_reader = qnn_quantizer._sample_reader
 def counting_reader(samples, inputs):
     reader = sample_reader(samples, inputs)
     class Counting:
@@ -800,8 +824,8 @@ def counting_reader(samples, inputs):
         def rewind(self):
             reader.rewind()
     return Counting()
-qnn_job._sample_reader = counting_reader
-qnn_job.quantize_graph(**args)
+qnn_quantizer._sample_reader = counting_reader
+qnn_quantizer.quantize_graph(**args)
 import onnxruntime.quantization.onnx_model as m
 print(m.ONNXModel.replace_input_of_all_nodes.__qualname__)
 print("samples read:", sum(reads))
@@ -811,9 +835,9 @@ print("samples read:", sum(reads))
 WIDE_WEIGHTS_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import onnx, qnn_job
+import onnx, qnn_quantizer
 args = json.loads(sys.argv[2])
-record = qnn_job.quantize_graph(**args)
+record = qnn_quantizer.quantize_graph(**args)
 model = onnx.load(args["target"])
 types = {i.name: i.data_type for i in model.graph.initializer}
 weights = {n.input[0]: types[n.input[0]] for n in model.graph.node
@@ -859,12 +883,12 @@ def test_weights_16bit_patterns_give_the_named_matrices_int16(qnn_stamp, workspa
 # Compiles args["target"] for SM8650, runs it on the HTP simulator and args["source"] on
 # the CPU over the last sample: a (HTP) and b (fp32), flattened.
 HTP_AND_FP32_SCRIPT = """
-ort, devices, htp = qnn_job.register_qnn()
-options = qnn_job.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
+ort, devices, htp = qnn_session.register_qnn()
+options = qnn_session.provider_options({"soc_model": 57, "htp_arch": 75, "precision": "a16w4"}, htp)
 context = args["target"].replace("qdq.onnx", "ctx.onnx")
-qnn_job.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
-htp_run = qnn_job.simulator_session(ort, devices, options, context)
-fp32 = qnn_job.cpu_session(ort, args["source"])
+qnn_session.generate_contexts(ort, devices, options, [(args["target"], context)], share=False)
+htp_run = qnn_session.simulator_session(ort, devices, options, context)
+fp32 = qnn_session.cpu_session(ort, args["source"])
 feed = {"x": np.load(args["samples"][-1]["x"])["x"]}
 a, b = htp_run.run(None, feed)[0].ravel(), fp32.run(None, feed)[0].ravel()
 """
@@ -874,10 +898,10 @@ CONV_KERNEL_SCRIPT = (
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import onnx, qnn_job
+import onnx, qnn_quantizer, qnn_session
 from onnx import numpy_helper
 args = json.loads(sys.argv[2])
-record = qnn_job.quantize_graph(**args)
+record = qnn_quantizer.quantize_graph(**args)
 model = onnx.load(args["target"])
 values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
 (dq,) = [n for n in model.graph.node if n.input and n.input[0] == "kernel_quantized"]
@@ -976,10 +1000,10 @@ BLOCKS_SCRIPT = (
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-import onnx, qnn_job
+import onnx, qnn_quantizer, qnn_session
 from onnx import numpy_helper
 args = json.loads(sys.argv[2])
-record = qnn_job.quantize_graph(**args)
+record = qnn_quantizer.quantize_graph(**args)
 model = onnx.load(args["target"])
 values = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
 weight = sys.argv[3] + "_quantized"

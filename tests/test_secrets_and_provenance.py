@@ -18,6 +18,7 @@ from crash_trials import release_digests
 from test_fetch import COMMIT, PRIVATE_REPO, REPO_FILES, TOKEN, HubHandler, hf_env, loopback_server
 
 from npuforge import toolchain
+from npuforge.cache import cache_root
 from npuforge.errors import NpuforgeError
 
 TINY = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["rwkv7-tiny"]
@@ -142,7 +143,7 @@ def test_a_build_keeps_no_telemetry(tmp_path):
     source = tmp_path / "tiny.pth"
     entry = {**TINY, "source": {"path": str(source)}}
     entry["sha256"] = hashlib.sha256(tiny_checkpoint(source)).hexdigest()
-    env = script_env(HOME=str(home), NPUFORGE_CACHE=str(toolchain.cache_root()))
+    env = script_env(HOME=str(home), NPUFORGE_CACHE=str(cache_root()))
     results = build(copy_workflow(tmp_path / "wf"), entry, env)
     assert any(results.rglob("manifest.json"))
     assert not (home / ".cache" / "Microsoft").exists()

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from npuforge import toolchain
-from npuforge.cache import CACHE_ENV
+from npuforge.cache import CACHE_ENV, cache_root
 from npuforge.errors import NpuforgeError
+from npuforge.toolchain import definitions, images, machine_cache, reporting
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,10 +92,10 @@ def test_unknown_backend_and_runtime_are_one_line_errors(tmp_path):
 
 
 def test_missing_engine_is_reported(monkeypatch):
-    toolchain._engine_problem.cache_clear()
-    monkeypatch.setattr(toolchain.shutil, "which", lambda name: None)
+    definitions.engine_problem.cache_clear()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     reason = toolchain.unavailable_reason("toy", "docker")
-    toolchain._engine_problem.cache_clear()
+    definitions.engine_problem.cache_clear()
     assert "container engine 'docker' is not installed" in reason
     assert "\n" not in reason
 
@@ -154,7 +155,7 @@ def test_a_quiet_job_is_reported_while_it_runs():
 
     out = io.StringIO()
     quiet = "import time; print('quantizing', flush=True); time.sleep(1.2); print('done')"
-    code, output = toolchain._run_reporting(
+    code, output = reporting.run_reporting(
         [sys.executable, "-c", quiet], None, None, "toy job", quiet_s=0.3, out=out
     )
     assert code == 0 and output == "quantizing\ndone\n"
@@ -176,7 +177,7 @@ def test_a_quiet_jobs_report_names_its_stage_beside_a_later_library_warning():
         "import time; print('[qnn_job] generating the HTP context of decode.onnx'); "
         "print('libnative: warning: unused option', flush=True); time.sleep(0.8)"
     )
-    toolchain._run_reporting(
+    reporting.run_reporting(
         [sys.executable, "-c", quiet], None, None, "qnn job", quiet_s=0.3, out=out
     )
     beats = [line for line in out.getvalue().splitlines() if "running for" in line]
@@ -202,7 +203,7 @@ time.sleep(600)
 # path): run_cli around an atomic output, as compile.py has.
 STEP_PY = """
 import json, sys
-from npuforge import toolchain
+from npuforge.toolchain import reporting
 from npuforge.cli import run_cli
 from npuforge.fileio import atomic_path
 
@@ -210,7 +211,7 @@ def main(argv):
     with atomic_path(sys.argv[2]) as tmp:
         tmp.mkdir()
         (tmp / "partial.bin").write_bytes(b"x")
-        toolchain._run_reporting(json.loads(sys.argv[1]), None, None, "toy job")
+        reporting.run_reporting(json.loads(sys.argv[1]), None, None, "toy job")
 
 sys.exit(run_cli(main))
 """
@@ -511,7 +512,7 @@ def test_an_older_image_is_evicted_with_the_build_layers_only_it_used(tmp_path):
     finally:
         # With the build layers only each used: a layer left on the base keeps it.
         for tag in tags:
-            toolchain._remove_image("podman", f"{repository}:{tag}")
+            images.remove_image("podman", f"{repository}:{tag}")
     assert inspect(layer_of_older, "{{.Id}}") is None
 
 
@@ -530,7 +531,7 @@ def test_a_job_that_fills_the_disk_says_so_in_one_line(tmp_path):
         toolchain.run_job(stamp_path, job, tmp_path / "spec.json")
     message = str(raised.value)
     assert message.startswith("toy job in the native toolchain ran out of disk space")
-    assert str(toolchain.cache_root()) in message and "\n" not in message
+    assert str(cache_root()) in message and "\n" not in message
 
 
 def test_an_image_build_that_fills_the_disk_says_so_in_one_line(tmp_path):
@@ -541,7 +542,7 @@ def test_an_image_build_that_fills_the_disk_says_so_in_one_line(tmp_path):
     )
     command = [sys.executable, "-c", f"import sys; print({said!r}); sys.exit(1)"]
     with open(tmp_path / "build.log", "w") as log, pytest.raises(NpuforgeError) as raised:
-        toolchain._run(command, log=log, what="building image localhost/npuforge-toy:1")
+        reporting.run_logged(command, log=log, what="building image localhost/npuforge-toy:1")
     message = str(raised.value)
     assert message.startswith("building image localhost/npuforge-toy:1 ran out of disk space")
     assert "container store" in message and "\n" not in message
@@ -554,7 +555,7 @@ def test_a_toolchain_build_the_disk_cannot_hold_does_not_start(
 
     make_backend(tmp_path)
     huge = types.SimpleNamespace(TOOLCHAIN_SIZE_MB=2**40)
-    monkeypatch.setattr(toolchain, "_backend_module", lambda backend: huge)
+    monkeypatch.setattr(machine_cache, "backend_module", lambda backend: huge)
     stamp_path = tmp_path / "toolchains" / "toy-native.json"
     with pytest.raises(NpuforgeError, match=r"building the toy toolchain needs about [\d.]+ GB"):
         toolchain.prepare("toy", "native", stamp_path, repo_root=tmp_path)
@@ -567,7 +568,7 @@ def test_an_image_build_needs_room_for_its_layer_twice(tmp_path, monkeypatch):
 
     free_mb = shutil.disk_usage(tmp_path).free // 2**20
     half = types.SimpleNamespace(TOOLCHAIN_SIZE_MB=free_mb // 2)
-    monkeypatch.setattr(toolchain, "_backend_module", lambda backend: half)
+    monkeypatch.setattr(machine_cache, "backend_module", lambda backend: half)
     # A venv of half the free space fits with pip's headroom; an image of it does not.
     toolchain.check_free_space("toy", tmp_path)
     with pytest.raises(NpuforgeError, match=r"needs about [\d.]+ GB .*2 copies while an image"):
