@@ -222,8 +222,8 @@ def step_code(script, **picks):
     # package files the CLI reaches (npuforge/step_code.py). A code change reruns the
     # job and misses the output cache (--rerun-triggers mtime input opts out while
     # developing). A job reaches only its own backend (its target's) and model family
-    # (its model's) by name; ``picks`` add what the wildcards do not say (family=None:
-    # a job for no model runs no family).
+    # (its model's) by name; ``picks`` (values, or functions of the wildcards) say
+    # what the wildcards do not: family=None, a job that runs no family's code.
     rule_file = workflow.included_stack[-1].get_path_or_uri(secret_free=True)
 
     def code(wildcards):
@@ -234,10 +234,19 @@ def step_code(script, **picks):
             found["backend"] = wildcards.backend
         if "model" in wildcards.keys():
             found["family"] = MODELS[wildcards.model]["family"]
-        found.update(picks)
+        for kind, pick in picks.items():
+            found[kind] = pick(wildcards) if callable(pick) else pick
         return step_code_digest(script, rule_file, tuple(sorted(found.items())))
 
     return code
+
+
+def fetched_family(wildcards):
+    # A download or a copy runs no family's code; a synthetic checkpoint is its family's.
+    from npuforge.fetch import runs_family_code
+
+    model = MODELS[wildcards.model]
+    return model["family"] if runs_family_code(model["source"]) else None
 
 
 @functools.cache

@@ -218,6 +218,12 @@ def test_a_compile_reaches_its_backend_and_job_script_and_no_other():
 def test_packaging_reaches_the_bundle_runner_and_model_steps_no_backend():
     assert "npuforge/bundle_runner.py" in real_reached("package_release", backend="rknn",
                                                        family="llama")  # fmt: skip
+    # A download runs no family's code (npuforge.fetch.runs_family_code).
+    download = real_reached("fetch_model", family=None)
+    assert "npuforge/fetch.py" in download
+    assert not any(
+        p.startswith(("npuforge/models/llama/", "npuforge/models/rwkv/")) for p in download
+    )
     for script in ("fetch_model", "inspect_checkpoint", "export_onnx", "verify_onnx",
                    "make_calibration_samples", "tokenize_heldout"):  # fmt: skip
         for family in models.FAMILIES:
@@ -228,23 +234,23 @@ def test_packaging_reaches_the_bundle_runner_and_model_steps_no_backend():
 
 
 # What each step picks by name in the workflow (rules/common.smk: a target's backend, a
-# model's family; declared in the rule otherwise).
+# model's family, "no" what a rule declares it never runs), each alternative a line.
 STEP_PICKS = {
-    "fetch_model": ["family"],
-    "dequantize_gguf": ["family"],
-    "inspect_checkpoint": ["family"],
-    "export_onnx": ["family"],
-    "verify_onnx": ["family"],
-    "make_calibration_samples": ["family"],
-    "tokenize_heldout": ["family"],
-    "convert_tokenizer": ["family"],
-    "compile": ["backend", "family"],
-    "package_release": ["backend", "family"],
-    "bench_device": ["backend", "family"],
-    "prepare_toolchain": ["backend", "no family"],
-    "release_index": ["no backend", "no family"],
-    "release_report": ["no backend", "no family"],
-    "make_synthetic_checkpoint": [],
+    "fetch_model": [("family",), ("no family",)],
+    "dequantize_gguf": [("family",)],
+    "inspect_checkpoint": [("family",)],
+    "export_onnx": [("family",)],
+    "verify_onnx": [("family",)],
+    "make_calibration_samples": [("family",)],
+    "tokenize_heldout": [("family",)],
+    "convert_tokenizer": [(), ("family",)],
+    "compile": [("backend", "family")],
+    "package_release": [("backend", "family")],
+    "bench_device": [("backend", "family")],
+    "prepare_toolchain": [("backend", "no family")],
+    "release_index": [("no backend", "no family")],
+    "release_report": [("no backend", "no family")],
+    "make_synthetic_checkpoint": [()],
 }
 RUNTIME_PROBE = """
 import importlib.util, json, sys
@@ -262,16 +268,18 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "npuforge")
 
 
 def pick_cases():
-    for script, kinds in STEP_PICKS.items():
-        options = [{}]
-        for kind in kinds:
-            if kind.startswith("no "):
-                values = [None]
-            else:
-                values = list(backends.BACKENDS if kind == "backend" else models.FAMILIES)
-            options = [dict(o, **{kind.removeprefix("no "): v}) for o in options for v in values]
-        for picks in options:
-            yield pytest.param(script, picks, id=f"{script}-{json.dumps(picks)}")
+    for script, alternatives in STEP_PICKS.items():
+        for kinds in alternatives:
+            options = [{}]
+            for kind in kinds:
+                name = kind.removeprefix("no ")
+                if kind.startswith("no "):
+                    values = [None]
+                else:
+                    values = list(backends.BACKENDS if name == "backend" else models.FAMILIES)
+                options = [dict(o, **{name: v}) for o in options for v in values]
+            for picks in options:
+                yield pytest.param(script, picks, id=f"{script}-{json.dumps(picks)}")
 
 
 def test_every_step_cli_has_its_picks_listed():
