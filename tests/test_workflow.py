@@ -112,6 +112,24 @@ def test_vendor_targets_share_exports_and_calibration(workflow):
     assert counts["calibrate"] == 1 and counts["compile"] == 2
 
 
+def test_listed_precisions_build_on_the_selected_targets_that_have_them(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    options = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())["RK3588"]["options"]
+    reason = unavailable_reason("rknn", "native", options)
+    if reason:
+        pytest.skip(f"rknn toolchain check refuses here: {reason}")
+    # onnx has no fp16, RK3588 no fp32: each target builds the one it has.
+    result = snakemake(
+        workflow, "--dry-run", "--config", "target=onnx,RK3588", "precision=fp32,fp16"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert job_counts(output)["compile"] == 2
+    assert "results/compile/rwkv7-demo/onnx/fp32" in output
+    assert "results/compile/rwkv7-demo/RK3588/fp16" in output
+
+
 def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
     from npuforge.toolchain import unavailable_reason
 
