@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -56,8 +56,8 @@ def _nodes(tree):
     while stack:
         node = stack.pop()
         yield node
-        for field in node._fields:
-            value = getattr(node, field, None)
+        for name in node._fields:
+            value = getattr(node, name, None)
             if isinstance(value, list):
                 stack.extend(v for v in value if isinstance(v, ast.AST))
             elif isinstance(value, ast.AST):
@@ -216,6 +216,7 @@ class CodeGraph:
     modules: dict  # dotted module name -> path
     edges: dict  # path -> Edges
     matcher: _Matcher
+    scripts: dict = field(default_factory=dict)  # memo of script_edges, by file state
 
     def module_imports(self) -> dict:
         """{module: the modules it imports}; a package is not its submodules' import."""
@@ -229,6 +230,13 @@ class CodeGraph:
         """(the package Edges, the scripts beside it that it imports) of a Python file
         outside the package that is run by path (a step CLI)."""
         script = Path(script).resolve()
+        stat = script.stat()
+        key = (script, stat.st_mtime_ns, stat.st_size)
+        if key not in self.scripts:
+            self.scripts[key] = self._script_edges(script)
+        return self.scripts[key]
+
+    def _script_edges(self, script: Path) -> tuple[Edges, set]:
         scanned = _scan_file(script)
         imports, top_level = resolve_imports(scanned, script.stem, False, self.modules)
         siblings = {script.with_name(f"{name}.py") for name in top_level} - {script}

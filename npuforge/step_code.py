@@ -143,10 +143,11 @@ def step_code_digest(script, graph: CodeGraph, rule_file=None, choices=()) -> st
     """sha256 over the checkout-relative names and the bytes' sha256 of ``step_sources``
     (the form of ``fileio.files_digest``)."""
     digest = hashlib.sha256()
-    for path in step_sources(script, graph, rule_file, choices):
-        relative = path.relative_to(graph.root)
-        known = graph.sha256.get(relative.as_posix())
-        content = bytes.fromhex(known) if known else hashlib.sha256(path.read_bytes()).digest()
+    head = [*step_scripts(script, graph), *([Path(rule_file).resolve()] if rule_file else [])]
+    for path in head:
+        digest.update(f"{path.relative_to(graph.root)}\0".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    for relative in reached_files(script, graph, choices):
         digest.update(f"{relative}\0".encode())
-        digest.update(content)
+        digest.update(bytes.fromhex(graph.sha256[relative]))
     return digest.hexdigest()
