@@ -140,14 +140,12 @@ class _Matcher:
                 self.by_tail.setdefault("/".join(parts[i:]), set()).add(path)
         self._seen = {}
 
-    def __call__(self, pattern) -> frozenset:
-        """The files ``pattern`` names, by module name or by path."""
-        return self.by_module(pattern) | self.by_path(pattern)
-
     def by_module(self, pattern) -> frozenset:
+        """The modules (their files) ``pattern`` names."""
         return self._memo("module", tuple(pattern))
 
     def by_path(self, pattern) -> frozenset:
+        """The files ``pattern`` names by path."""
         return self._memo("path", tuple(pattern))
 
     def _memo(self, kind: str, pattern: tuple) -> frozenset:
