@@ -264,7 +264,8 @@ rule report:
 # rules/*.smk (those no job of this matrix uses too), each with its directives (log,
 # benchmark, conda, cache, threads, resources, params, named and report() outputs,
 # wildcard_constraints, localrules) and its count of callables, the same inputs per job
-# and the same path shape under an absolute results directory. Values are static or
+# and the same path shape under an absolute results directory (a params callable for
+# each step's code digest, as npuforge's rules have). Values are static or
 # trivial lambdas and every shell command is a touch: what Snakemake itself charges for
 # the directives, with no npuforge code in it.
 BARE_DIRECTIVES_SNAKEFILE = """\
@@ -382,6 +383,7 @@ rule fetch:
     resources:
         mem_mb=2000,
     params:
+        code=lambda w: "c",
         source=lambda w: "s-" + w.model,
         source_stamp=lambda w: "",
         sha256=lambda w: "",
@@ -404,6 +406,7 @@ rule fetch_tree:
     resources:
         mem_mb=2000,
     params:
+        code=lambda w: "c",
         source=lambda w: "s-" + w.model,
         source_stamp=lambda w: "",
         sha256=lambda w: "",
@@ -427,6 +430,8 @@ rule dequantize:
     threads: 1
     resources:
         mem_mb=lambda w: 1000,
+    params:
+        code=lambda w: "c",
     shell:
         "mkdir -p {output.checkpoint} && touch {output.record} > {log} 2>&1"
 
@@ -444,6 +449,7 @@ rule inspect:
     resources:
         mem_mb=lambda w: 1000,
     params:
+        code=lambda w: "c",
         arch=lambda w: "{}",
         family=lambda w: "rwkv",
     shell:
@@ -462,6 +468,7 @@ rule prepare_toolchain:
     resources:
         mem_mb=4000,
     params:
+        code=lambda w: "c",
         options=lambda w: "{}",
         definition=lambda w: "d-" + w.backend,
     shell:
@@ -478,6 +485,8 @@ rule tokenizer:
     threads: 1
     resources:
         mem_mb=1000,
+    params:
+        code=lambda w: "c",
     shell:
         "touch {output} > {log} 2>&1"
 
@@ -494,6 +503,8 @@ rule tokenizer_hf:
     threads: 1
     resources:
         mem_mb=1000,
+    params:
+        code=lambda w: "c",
     shell:
         "touch {output} > {log} 2>&1"
 
@@ -511,6 +522,7 @@ rule heldout:
     resources:
         mem_mb=1000,
     params:
+        code=lambda w: "c",
         family=lambda w: "rwkv",
         vocab=lambda w: 256,
     shell:
@@ -533,6 +545,7 @@ rule export:
     resources:
         mem_mb=lambda w: 1000,
     params:
+        code=lambda w: "c",
         options=lambda w: "o-" + w.key,
     shell:
         "mkdir -p {output} > {log} 2>&1"
@@ -554,6 +567,7 @@ rule verify_onnx:
     resources:
         mem_mb=lambda w: 1000,
     params:
+        code=lambda w: "c",
         tokens=16,
         exports=lambda w, input: "--export " + input.exports[0],
     shell:
@@ -576,6 +590,7 @@ rule calibrate:
     resources:
         mem_mb=lambda w: 1000,
     params:
+        code=lambda w: "c",
         samples=lambda w: 8,
         steps=4,
         seed=0,
@@ -600,6 +615,7 @@ rule compile:
     resources:
         mem_mb=lambda w: 4000,
     params:
+        code=lambda w: "c",
         options=compile_options,
         paths=compile_paths,
     shell:
@@ -623,6 +639,7 @@ rule package:
     resources:
         mem_mb=1000,
     params:
+        code=lambda w: "c",
         options=package_options,
         paths=package_paths,
     shell:
@@ -642,6 +659,7 @@ rule release_index:
     resources:
         mem_mb=500,
     params:
+        code=lambda w: "c",
         release=lambda w, output: output[0],
     shell:
         "touch {output} > {log} 2>&1"
@@ -677,6 +695,7 @@ rule release_report:
     resources:
         mem_mb=1000,
     params:
+        code=lambda w: "c",
         benchmarks=f"{R}/benchmarks",
     shell:
         "touch {output} > {log} 2>&1"
@@ -697,6 +716,7 @@ rule bench:
         mem_mb=500,
         adb_device=1,
     params:
+        code=lambda w: "c",
         device="",
         prompt="p",
         max_new_tokens=8,

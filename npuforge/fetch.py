@@ -42,6 +42,12 @@ def source_kind(source: dict) -> str:
     return kinds[0]
 
 
+def runs_family_code(source: dict) -> bool:
+    """Whether fetching ``source`` runs its model family's code: only a synthetic
+    checkpoint is written by it (``fetch`` below); a download or a copy is not."""
+    return source_kind(source) == "synthetic"
+
+
 def fetch(source: dict, expected_sha256: str | None, out, record, family: str = "rwkv") -> dict:
     """Place the checkpoint at ``out`` and its provenance at ``record``; return the record."""
     kind = source_kind(source)

@@ -109,7 +109,13 @@ def _choose(kind: str, selection, registry: dict, where: str) -> list[str]:
 
 
 def select_builds(config: dict, models: dict, targets: dict) -> list[Build]:
-    """Turn the selection into builds, or raise one line that names the valid choices."""
+    """Turn the selection into builds, or raise one line that names the valid choices.
+
+    Listed precisions are built on each selected target that has them, for each model
+    whose registry entry allows them there. Refused: a precision no selected target has
+    or no selected model is built in, and a model and target both named (not ``all``)
+    that are left with nothing to build; a named target or model left with nothing too.
+    """
     model_ids = _choose("model", config.get("model"), models, "config/models.yaml")
     target_ids = _choose("target", config.get("target"), targets, "config/targets.yaml")
     wanted = parse_selection(config.get("precision"))
@@ -119,36 +125,91 @@ def select_builds(config: dict, models: dict, targets: dict) -> list[Build]:
             raise NpuforgeError(
                 f"unknown precision '{precision}'; valid precisions: {', '.join(known)}"
             )
+    listed = bool(wanted) and wanted != ["all"]
+    for precision in wanted if listed else []:
+        if not any(precision in targets[t]["precisions"] for t in target_ids):
+            raise NpuforgeError(_no_target_has(precision, target_ids, targets))
     builds = []
     for target_id in target_ids:
         target = targets[target_id]
-        supported = list(target["precisions"])
         if not wanted:
             precisions = list(target["default_precisions"])
         elif wanted == ["all"]:
-            precisions = supported
+            precisions = list(target["precisions"])
         else:
-            for precision in wanted:
-                if precision not in supported:
-                    raise NpuforgeError(
-                        f"target {target_id} ({target.get('description', target['backend'])}) "
-                        f"does not support precision '{precision}'; it supports: "
-                        f"{', '.join(supported)}"
-                    )
-            precisions = wanted
+            precisions = [p for p in wanted if p in target["precisions"]]
         for model_id in model_ids:
-            chosen = model_precisions(model_id, models[model_id], target_id, precisions, wanted)
-            for precision in chosen:
-                builds.append(Build(model_id, target_id, precision))
+            chosen = model_precisions(models[model_id], target_id, precisions, wanted)
+            builds += [Build(model_id, target_id, precision) for precision in chosen]
+    if listed:
+        _check_nothing_left(config, builds, model_ids, target_ids, models, targets, wanted)
     return builds
 
 
-def model_precisions(model_id, model, target_id, precisions, wanted) -> list[str]:
+def _check_nothing_left(config, builds, model_ids, target_ids, models, targets, wanted):
+    named = {kind: parse_selection(config.get(kind)) != ["all"] for kind in ("model", "target")}
+    pairs = {(b.model, b.target) for b in builds}
+    built_models, built_targets = {m for m, _ in pairs}, {t for _, t in pairs}
+    for target_id in target_ids:
+        for model_id in model_ids:
+            # Under "all", a pair left with nothing is left out; a named model or target
+            # left with nothing at all is not.
+            if (model_id, target_id) not in pairs and (
+                (named["model"] and named["target"])
+                or (named["target"] and target_id not in built_targets)
+                or (named["model"] and model_id not in built_models)
+            ):
+                raise NpuforgeError(
+                    _why_not(model_id, models[model_id], target_id, targets[target_id], wanted)
+                )
+    built = {b.precision for b in builds}
+    for precision in wanted:
+        if precision not in built:
+            # A target has it (checked above): every model's entry leaves it out there.
+            model_id, target_id = next(
+                (m, t)
+                for t in target_ids
+                for m in model_ids
+                if precision in targets[t]["precisions"]
+            )
+            raise NpuforgeError(
+                _why_not(model_id, models[model_id], target_id, targets[target_id], [precision])
+            )
+
+
+def _no_target_has(precision: str, target_ids, targets) -> str:
+    if len(target_ids) == 1:
+        return _why_not(None, {}, target_ids[0], targets[target_ids[0]], [precision])
+    supports = "; ".join(f"{t}: {', '.join(targets[t]['precisions'])}" for t in target_ids)
+    return f"no selected target supports precision '{precision}' ({supports})"
+
+
+def _why_not(model_id, model: dict, target_id: str, target: dict, precisions) -> str:
+    """Why none of ``precisions`` is built for the model on the target, as one line."""
+    had = [p for p in precisions if p in target["precisions"]]
+    if not had:
+        what = "precision" if len(precisions) == 1 else "any of the precisions"
+        return (
+            f"target {target_id} ({target.get('description', target['backend'])}) does not "
+            f"support {what} {_quoted(precisions)}; it supports: {', '.join(target['precisions'])}"
+        )
+    allowed = model["precisions"][target_id]
+    return (
+        f"model {model_id} is built for {target_id} in {', '.join(allowed)} only "
+        f"(its registry entry's precisions), not {_quoted(had)}"
+    )
+
+
+def _quoted(names) -> str:
+    return ", ".join(f"'{name}'" for name in names)
+
+
+def model_precisions(model, target_id, precisions, wanted) -> list[str]:
     """The target's precisions narrowed by the model's own ``precisions[target]`` list.
 
     With nothing selected: the target's defaults among the model's list (the list
-    itself when none of them is in it); with ``all``: the model's list; a precision
-    named on the command line outside the list stops the run.
+    itself when none of them is in it); with ``all``: the model's list; precisions
+    named on the command line: those in the list.
     """
     allowed = model.get("precisions", {}).get(target_id)
     if allowed is None:
@@ -157,13 +218,7 @@ def model_precisions(model_id, model, target_id, precisions, wanted) -> list[str
         return [p for p in precisions if p in allowed] or list(allowed)
     if wanted == ["all"]:
         return list(allowed)
-    for precision in precisions:
-        if precision not in allowed:
-            raise NpuforgeError(
-                f"model {model_id} is built for {target_id} in {', '.join(allowed)} only "
-                f"(its registry entry's precisions), not '{precision}'"
-            )
-    return precisions
+    return [p for p in precisions if p in allowed]
 
 
 def estimate_params(model: dict) -> int:

@@ -1,3 +1,4 @@
+import functools
 import json
 import shlex
 import sys
@@ -212,14 +213,59 @@ def calibration_text_digest():
     return files_digest(root, [file for file in files if file.is_file()])
 
 
-def step_code(script):
-    # The step CLI's source and the whole npuforge package, as a params value: a code
-    # change reruns the step and misses the output cache (--rerun-triggers mtime input
-    # opts out while developing).
-    from npuforge.step_code import step_code_digest
+# Scans of the package's files by content, kept between runs (npuforge.import_graph).
+CODE_GRAPH_CACHE = ".snakemake/npuforge/code_graph.json"
 
-    return step_code_digest(
-        Path(workflow.basedir) / "workflow_scripts" / f"{script}.py", workflow.basedir
+
+def step_code(script, **picks):
+    # The code a job can run, as a params value: its step CLI, this rule file and the
+    # package files the CLI reaches (npuforge/step_code.py). A code change reruns the
+    # job and misses the output cache (--rerun-triggers mtime input opts out while
+    # developing). A job reaches only its own backend (its target's) and model family
+    # (its model's) by name; ``picks`` (values, or functions of the wildcards) say
+    # what the wildcards do not: family=None, a job that runs no family's code.
+    rule_file = workflow.included_stack[-1].get_path_or_uri(secret_free=True)
+
+    def code(wildcards):
+        found = {}
+        if "target" in wildcards.keys():
+            found["backend"] = TARGETS[wildcards.target]["backend"]
+        if "backend" in wildcards.keys():
+            found["backend"] = wildcards.backend
+        if "model" in wildcards.keys():
+            found["family"] = MODELS[wildcards.model]["family"]
+        for kind, pick in picks.items():
+            found[kind] = pick(wildcards) if callable(pick) else pick
+        return step_code_digest(script, rule_file, tuple(sorted(found.items())))
+
+    return code
+
+
+def fetched_family(wildcards):
+    # A download or a copy runs no family's code; a synthetic checkpoint is its family's.
+    from npuforge.fetch import runs_family_code
+
+    model = MODELS[wildcards.model]
+    return model["family"] if runs_family_code(model["source"]) else None
+
+
+@functools.cache
+def code_graph():
+    # Parsed once per run.
+    from npuforge.import_graph import code_graph as read
+
+    return read(workflow.basedir, CODE_GRAPH_CACHE)
+
+
+@functools.cache
+def step_code_digest(script, rule_file, picks):
+    from npuforge.step_code import dispatch_choices, step_code_digest as digest
+
+    return digest(
+        Path(workflow.basedir) / "workflow_scripts" / f"{script}.py",
+        code_graph(),
+        rule_file=rule_file,
+        choices=dispatch_choices(dict(picks)),
     )
 
 

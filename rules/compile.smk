@@ -11,7 +11,8 @@ rule prepare_toolchain:
     resources:
         mem_mb=4000,
     params:
-        code=step_code("prepare_toolchain"),
+        # An environment for a backend, for no model.
+        code=step_code("prepare_toolchain", family=None),
         options=lambda w: as_json(toolchain_options(w.backend)),
         definition=lambda w: toolchain_definition(w.backend),
     shell:

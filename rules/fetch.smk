@@ -14,7 +14,7 @@ rule fetch:
     resources:
         mem_mb=2000,
     params:
-        code=step_code("fetch_model"),
+        code=step_code("fetch_model", family=fetched_family),
         source=lambda w: as_json(MODELS[w.model]["source"]),
         source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",
@@ -38,7 +38,7 @@ rule fetch_tree:
     resources:
         mem_mb=2000,
     params:
-        code=step_code("fetch_model"),
+        code=step_code("fetch_model", family=fetched_family),
         source=lambda w: as_json(MODELS[w.model]["source"]),
         source_stamp=lambda w: local_source_stamp(w.model),
         sha256=lambda w: MODELS[w.model].get("sha256") or "",

@@ -14,7 +14,8 @@ rule release_index:
     resources:
         mem_mb=500,
     params:
-        code=step_code("release_index"),
+        # Reads manifests: runs no backend and no model family.
+        code=step_code("release_index", backend=None, family=None),
         release=lambda w, output: Path(output[0]).parent,
     shell:
         "python workflow_scripts/release_index.py --release-dir {params.release} --out {output} > {log} 2>&1"
@@ -50,7 +51,7 @@ rule release_report:
     resources:
         mem_mb=1000,
     params:
-        code=step_code("release_report"),
+        code=step_code("release_report", backend=None, family=None),
         benchmarks=f"{RESULTS}/benchmarks",
     shell:
         "python workflow_scripts/release_report.py --index {input} --benchmarks {params.benchmarks} --table {output.table} --fidelity-plot {output.fidelity} --size-plot {output.size} > {log} 2>&1"

@@ -8,52 +8,9 @@ import ast
 from pathlib import Path
 
 import npuforge
+from npuforge.import_graph import import_graph, imported_modules
 
 PACKAGE_DIR = Path(npuforge.__file__).parent
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imported_modules(source: str, module: str, is_package: bool, known: set) -> set:
-    """The npuforge modules that ``source`` (the text of ``module``) imports; a name
-    imported from a package counts as its submodule when one of that name exists."""
-    here = module.split(".")
-    found = set()
-    for node in ast.walk(ast.parse(source, module)):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here if is_package else here[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
-            # "from pkg import sub" imports the submodule; any other name, the package.
-            names = [
-                f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target
-                for alias in node.names
-            ]
-        else:
-            continue
-        found.update(name for name in names if name in known)
-    return found
-
-
-def import_graph() -> dict:
-    paths = sorted(PACKAGE_DIR.rglob("*.py"))
-    known = {module_name(p) for p in paths}
-    graph = {
-        module_name(p): imported_modules(
-            p.read_text(), module_name(p), p.name == "__init__.py", known
-        )
-        for p in paths
-    }
-    # A package imports nothing by being the parent of a module; its own imports count.
-    return {m: {d for d in deps if d != m} for m, deps in graph.items()}
 
 
 def find_cycle(graph: dict):
@@ -80,7 +37,7 @@ def find_cycle(graph: dict):
 
 
 def test_the_library_has_no_import_circle():
-    cycle = find_cycle(import_graph())
+    cycle = find_cycle(import_graph(PACKAGE_DIR))
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 

@@ -102,6 +102,74 @@ def test_bad_selection_is_one_line_naming_choices(kw, message):
     assert "\n" not in str(err.value)
 
 
+def built(**kw) -> list[tuple[str, str, str]]:
+    return [
+        (b.model, b.target, b.precision) for b in select_builds(selection(**kw), MODELS, TARGETS)
+    ]
+
+
+def test_listed_precisions_are_built_on_the_selected_targets_that_have_them():
+    # onnx has no fp16 and RK3588 no fp32: each builds the one it has.
+    assert built(target="onnx,RK3588", precision="fp32,fp16") == [
+        ("rwkv7-demo", "onnx", "fp32"),
+        ("rwkv7-demo", "RK3588", "fp16"),
+    ]
+    assert built(target="SM8650,RK3588", precision="w8a8,fp16,a16w8") == [
+        ("rwkv7-demo", "SM8650", "fp16"),
+        ("rwkv7-demo", "SM8650", "a16w8"),
+        ("rwkv7-demo", "RK3588", "w8a8"),
+        ("rwkv7-demo", "RK3588", "fp16"),
+    ]
+    # With every target: those that have it, the others left out.
+    assert built(target="all", precision="a16w4") == [
+        ("rwkv7-demo", t, "a16w4") for t, spec in TARGETS.items() if "a16w4" in spec["precisions"]
+    ]
+
+
+def test_a_precision_none_of_the_selected_targets_has_is_refused_in_one_line():
+    with pytest.raises(NpuforgeError) as err:
+        built(target="onnx,SM8350", precision="fp16")
+    assert str(err.value) == (
+        "no selected target supports precision 'fp16' (onnx: fp32; SM8350: a16w8)"
+    )
+    # One such precision in a list refuses the list: nothing is built for it.
+    with pytest.raises(NpuforgeError, match="no selected target supports precision 'int8'"):
+        built(target="onnx,RK3588", precision="fp32,int8")
+
+
+def test_a_named_model_and_target_left_with_nothing_are_refused():
+    # SM8650 gets none of the listed precisions: the selection names it for nothing.
+    with pytest.raises(NpuforgeError) as err:
+        built(target="RK3588,SM8650", precision="w8a8,w16a16i_dfp")
+    assert str(err.value).startswith(
+        "target SM8650 (Snapdragon 8 Gen 3 (HTP v75)) does not support any of the precisions "
+        "'w8a8', 'w16a16i_dfp'; it supports: fp16, a16w8, a16w4"
+    )
+    # smollm2-135m's entry leaves w8a8 out on RK3588 (under its gate); rwkv7-tiny builds it.
+    gate = r"model smollm2-135m is built for RK3588 in fp16, w16a16i_dfp only \(its registry"
+    with pytest.raises(NpuforgeError, match=gate + r" entry's precisions\), not 'w8a8'"):
+        built(model="smollm2-135m,rwkv7-tiny", target="RK3588", precision="w8a8")
+    # With every model: the models whose entry leaves it out are left out.
+    everyone = built(model="all", target="RK3588", precision="w8a8")
+    assert ("rwkv7-tiny", "RK3588", "w8a8") in everyone
+    assert "smollm2-135m" not in {model for model, _, _ in everyone}
+    # ... but a named target left with nothing at all is still refused.
+    with pytest.raises(NpuforgeError, match="target SM8650 .* does not support precision 'w8a8'"):
+        built(model="all", target="RK3588,SM8650", precision="w8a8")
+
+
+def test_a_listed_precision_no_selected_model_is_built_in_is_refused():
+    # smollm2-135m builds fp16 on RK3588, never w8a8: the list asks for a build of it.
+    with pytest.raises(NpuforgeError, match="model smollm2-135m is built for RK3588 .* not 'w8a8'"):
+        built(model="smollm2-135m", target="RK3588", precision="fp16,w8a8")
+    # Another selected model builds it: smollm2-135m builds what it has.
+    pairs = built(model="smollm2-135m,rwkv7-tiny", target="RK3588,onnx", precision="fp16,w8a8,fp32")
+    assert [b for b in pairs if b[0] == "smollm2-135m"] == [
+        ("smollm2-135m", "RK3588", "fp16"),
+        ("smollm2-135m", "onnx", "fp32"),
+    ]
+
+
 def test_targets_with_equal_needs_share_exports():
     plan = make_plan(selection(target="SM8650,SM8550,RK3588,onnx,BM1684X"), MODELS, TARGETS)
     demo = "rwkv7-demo"

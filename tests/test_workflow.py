@@ -112,6 +112,24 @@ def test_vendor_targets_share_exports_and_calibration(workflow):
     assert counts["calibrate"] == 1 and counts["compile"] == 2
 
 
+def test_listed_precisions_build_on_the_selected_targets_that_have_them(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    options = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())["RK3588"]["options"]
+    reason = unavailable_reason("rknn", "native", options)
+    if reason:
+        pytest.skip(f"rknn toolchain check refuses here: {reason}")
+    # onnx has no fp16, RK3588 no fp32: each target builds the one it has.
+    result = snakemake(
+        workflow, "--dry-run", "--config", "target=onnx,RK3588", "precision=fp32,fp16"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert job_counts(output)["compile"] == 2
+    assert "results/compile/rwkv7-demo/onnx/fp32" in output
+    assert "results/compile/rwkv7-demo/RK3588/fp16" in output
+
+
 def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
     from npuforge.toolchain import unavailable_reason
 
@@ -228,17 +246,13 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     again = snakemake(workflow, check=True)
     assert "Nothing to be done" in again.stdout + again.stderr
 
-    # A code change reruns the steps (an edit to a backend the default target does not
-    # use, too: every step digests the whole package); undone, nothing is out of date.
+    # An edit to a backend the build does not run reruns nothing: each step digests the
+    # code it reaches (test_a_code_edit_reruns_only_the_steps_that_reach_it).
     backend = workflow / "npuforge" / "backends" / "qnn.py"
     source = backend.read_text()
     backend.write_text(source + "# an edit to the package\n")
-    dry = snakemake(workflow, "--dry-run")
-    output = dry.stdout + dry.stderr
-    assert "Params have changed" in output
-    assert {"export", "compile", "package"} <= set(job_counts(output)), output[-3000:]
-    backend.write_text(source)
     assert "Nothing to be done" in snakemake(workflow, "--dry-run").stdout
+    backend.write_text(source)
 
     # A second target with the same export needs but its own option: only its jobs run.
     one_target_jobs = {  # what a rebuild of one target plans
@@ -282,6 +296,57 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     shutil.rmtree(workflow / "results")
     snakemake(workflow, check=True)
     assert release_files(workflow) == first
+
+
+def planned_jobs(output: str) -> list[tuple[str, str, str]]:
+    """(rule, output, reason) of each job a dry run plans, in its order."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:\n)", output)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+        outputs = re.search(r"^\s+output: (.*)$", block, re.M)
+        reason = re.search(r"^\s+reason: (.*)$", block, re.M)
+        jobs.append((rule, outputs.group(1) if outputs else "", reason.group(1) if reason else ""))
+    return jobs
+
+
+def with_edit(workflow, relative, *dry_run_args) -> str:
+    """The dry run's output with a comment appended to ``relative``, which is then undone."""
+    path = workflow / relative
+    source = path.read_text()
+    path.write_text(source + "# an edit\n")
+    try:
+        dry = snakemake(workflow, "--dry-run", *dry_run_args, check=True)
+    finally:
+        path.write_text(source)
+    return dry.stdout + dry.stderr
+
+
+def test_a_code_edit_reruns_only_the_steps_that_reach_it(workflow):
+    """Built for real: each step digests its CLI, its rule and the code it reaches."""
+    select = ("--config", "model=rwkv7-tiny,llama-tiny", "target=onnx")
+    snakemake(workflow, *select, check=True)
+    index = {"release_index": 1, "release_report": 1, "all": 1}
+    one_model = {"inspect": 1, "heldout": 1, "export": 1, "verify_onnx": 1, "compile": 1}
+    expected = {
+        "npuforge/backends/onnx.py": {"compile": 2, "package": 2, **index},
+        "npuforge/backends/qnn.py": {},
+        "npuforge/jobs/qnn_job.py": {},
+        # llama-tiny's synthetic checkpoint is written by its family's code.
+        "npuforge/models/llama/model.py": {"fetch_tree": 1, **one_model, "package": 1, **index},
+        "npuforge/fetch.py": {"fetch": 1, "fetch_tree": 1}
+        | {rule: 2 for rule in one_model}
+        | {"package": 2, **index},
+    }
+    for relative, jobs in expected.items():
+        output = with_edit(workflow, relative, *select)
+        if not jobs:
+            assert "Nothing to be done" in output, (relative, output[-3000:])
+            continue
+        assert job_counts(output) == {**jobs, "total": sum(jobs.values())}, relative
+        if "llama" in relative:
+            built = [out for rule, out, _ in planned_jobs(output) if rule not in index]
+            assert built and all("llama-tiny" in out for out in built), built
+    assert "Nothing to be done" in snakemake(workflow, "--dry-run", *select).stdout
 
 
 def env_without_container_engines(tmp_path) -> dict:

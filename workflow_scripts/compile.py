@@ -1,15 +1,74 @@
 """Compile export graphs for one target and precision with its vendor backend, verify the
 binaries on the vendor's simulator against onnxruntime fp32, and write compile.json."""
 
+import argparse
+import json
 import sys
 
 from npuforge import backends
-from npuforge.backends.base import CompileRequest
-from npuforge.cli import compile_argument_parser, run_cli, target_options
+from npuforge.backends.base import WEIGHTS, CompileRequest
+from npuforge.cli import run_cli
+from npuforge.errors import NpuforgeError
+
+
+def argument_parser():
+    """The arguments of this step (docs/interfaces.md)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", required=True, help="onnx, qnn, rknn or tpumlir")
+    parser.add_argument(
+        "--export", action="append", required=True, help="export directory; repeatable"
+    )
+    parser.add_argument(
+        "--calibration",
+        action="append",
+        default=[],
+        help="calibration directory of one --export (quantized precisions); repeatable, "
+        "paired with the exports by the variant its calibration.json records",
+    )
+    parser.add_argument("--target", required=True, help="target id from targets.yaml")
+    parser.add_argument(
+        "--target-options", default="{}", help="the target's options from targets.yaml as JSON"
+    )
+    parser.add_argument("--precision", required=True)
+    parser.add_argument("--toolchain", help="toolchain stamp JSON (prepare_toolchain.py)")
+    parser.add_argument("--heldout", help="the model's held-out token file (verification text)")
+    parser.add_argument("--checkpoint", help="the fetched checkpoint (the onnx reference target)")
+    parser.add_argument(
+        "--state", action="append", default=[], help="RWKV state file shipped beside (tpumlir)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="trained",
+        help="the checkpoint's weights: trained, or synthetic (random); chooses the floors",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU cores the step may use (tpumlir: nets compiled side by side); "
+        "the bytes do not depend on it",
+    )
+    parser.add_argument("--out-dir", required=True, help="directory to write")
+    parser.add_argument("--log", help="append the toolchain job's output here")
+    return parser
+
+
+def target_options(args) -> dict:
+    """``--target-options`` as a dict, or a one-line error."""
+    try:
+        options = json.loads(args.target_options)
+    except json.JSONDecodeError as err:
+        raise NpuforgeError(
+            f"--target-options is not JSON ({err.msg}); pass a JSON object"
+        ) from None
+    if not isinstance(options, dict):
+        raise NpuforgeError("--target-options must be a JSON object")
+    return options
 
 
 def main(argv=None):
-    args = compile_argument_parser(__doc__).parse_args(argv)
+    args = argument_parser().parse_args(argv)
     backend = backends.get(args.backend)
     request = CompileRequest(
         exports=args.export,

@@ -16,11 +16,16 @@ from npuforge.errors import NpuforgeError
 BACKENDS = ("onnx", "qnn", "rknn", "tpumlir")
 
 
+def module_name(name: str) -> str:
+    """The dotted name of backend ``name``'s module."""
+    return f"npuforge.backends.{name}"
+
+
 def get(name: str):
     """The backend module ``name``."""
     if name not in BACKENDS:
         raise NpuforgeError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"npuforge.backends.{name}")
+    return importlib.import_module(module_name(name))
 
 
 def options_of(name: str, mapping: dict, target: str):
