@@ -74,7 +74,7 @@ rule docs:
     resources:
         mem_mb=500,
     params:
-        code=step_code("docs_data"),
+        code=step_code("docs_data", backend=None, family=None),
         root=workflow.basedir,
     shell:
         "python workflow_scripts/docs_data.py --root {params.root:q} --index {input} --out {output} > {log} 2>&1"

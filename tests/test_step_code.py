@@ -250,6 +250,7 @@ STEP_PICKS = {
     "prepare_toolchain": [("backend", "no family")],
     "release_index": [("no backend", "no family")],
     "release_report": [("no backend", "no family")],
+    "docs_data": [("no backend", "no family")],
     "make_synthetic_checkpoint": [()],
 }
 RUNTIME_PROBE = """
