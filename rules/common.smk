@@ -135,7 +135,15 @@ def local_source_stamp(model):
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
+def permuted_source(model):
+    # The registry model a permuted twin is made from, else None.
+    return MODELS[model]["source"].get("permuted", {}).get("model")
+
+
 def fetched_path(model):
+    # A permuted twin is made, not fetched: its directory stands where a fetch's would.
+    if permuted_source(model):
+        return f"{RESULTS}/models/{model}/permuted.hf"
     return f"{RESULTS}/models/{model}/checkpoint.{MODELS[model]['format']}"
 
 
@@ -151,9 +159,21 @@ def fetch_record(model):
 
 
 def dequantize_record(model):
+    # A twin of a GGUF model ships the record of the dequantization it was made from.
+    base = permuted_source(model)
+    if base:
+        return dequantize_record(base)
     if MODELS[model]["format"] == "gguf":
         return f"{RESULTS}/models/{model}/dequantized.hf.json"
     return []
+
+
+def pinned_models():
+    # The models whose pins are checked before any job: those built and their twins' sources.
+    built = PLAN.models_built()
+    return sorted(
+        set(built) | {permuted_source(m) for m in built if permuted_source(m)}
+    )
 
 
 def export_dir(model, key):
@@ -399,7 +419,7 @@ def package_paths(wildcards, input, output):
 # and the calibration text exists.
 try:
     check_models(
-        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in PLAN.models_built()}
+        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in pinned_models()}
     )
     if PLAN.needs_any_calibration():
         check_calibration_text(calibration_text())
