@@ -87,3 +87,301 @@ def test_write_twin_checks_its_pin_and_leaves_nothing_behind(checkpoints, tmp_pa
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.json").exists()
     permute.write_twin(checkpoints["smollm2"], source, record["sha256"], tmp_path / "y",
                        tmp_path / "y.json")  # fmt: skip
+
+
+def test_hadamard_orders_are_hadamard_and_cover_the_families_sizes():
+    import math
+
+    from npuforge import hadamard
+
+    built = [n for n in range(1, 260) if hadamard.has_hadamard(n)]
+    for n in built:
+        h = hadamard.hadamard(n)
+        assert set(np.unique(h)) <= {-1, 1} and np.array_equal(h @ h.T, n * np.eye(n)), n
+    # Every multiple of 4 below 52 (52 needs Paley over 25, a prime power).
+    assert [n for n in range(4, 52, 4) if n not in built] == []
+    assert not hadamard.has_hadamard(6) and not hadamard.has_hadamard(52)
+    # SmolLM2 (576, 1536, head_dim 64), Qwen2-0.5B (896, 4864), Qwen3-0.6B (1024, 3072).
+    for n in (576, 1536, 64, 896, 4864, 1024, 3072):
+        assert hadamard.has_hadamard(n), n
+    a, b = hadamard.kronecker_split(1536)
+    assert a * b == 1536 and hadamard.has_hadamard(a) and hadamard.has_hadamard(b)
+    assert a + b < 2 * math.isqrt(1536) + 20
+    with pytest.raises(NpuforgeError, match="no Hadamard matrix of order 6 is built here") as err:
+        hadamard.hadamard(6)
+    assert "\n" not in str(err.value)
+    rng = np.random.default_rng(0)
+    for n, kind in ((48, "hadamard"), (6, "random orthogonal"), (52, "random orthogonal")):
+        matrix, got = hadamard.orthogonal(n, rng)
+        assert got == kind and np.allclose(matrix @ matrix.T, np.eye(n), atol=1e-12)
+
+
+ROTATION_CASES = [
+    # (kind, chunks, fp16_fixes, kv_prefix, tanh_silu)
+    ("llama", 2, False, (), False),  # GQA, untied lm_head
+    ("qwen2", 1, True, (), True),  # q/k/v biases
+    ("smollm2", 2, True, (1,), True),  # tied lm_head, one KV head, a kv_prefix
+    ("qwen3", 1, True, (2, 5), False),  # q/k norms, head_dim apart from hidden / heads
+]
+
+
+@pytest.mark.parametrize("kind, chunks, fp16_fixes, kv_prefix, tanh_silu", ROTATION_CASES)
+def test_rotated_export_matches_transformers(
+    checkpoints, tmp_path, kind, chunks, fp16_fixes, kv_prefix, tanh_silu
+):
+    """A rotated export is the same function: prefill then decode through onnxruntime
+    against transformers (after the kv_prefix, computed at export by the rotated model),
+    with the fp16-safe norm, tanh_silu and chunks as given."""
+    import onnx
+
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.runtime import GraphChain
+
+    checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
+    common = dict(dtype="fp32", chunks=chunks, batch=1, cache_len=64, fp16_fixes=fp16_fixes,
+                  kv_prefix=kv_prefix, tanh_silu=tanh_silu, rotate={"seed": 4})  # fmt: skip
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=8, **common
+    )
+    llama_export.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
+    record = prefill["rotation"]
+    assert prefill["options"]["rotate"] == 4 and record["hidden"]["kind"] == "hadamard"
+    ids = np.random.default_rng(2).integers(0, vocab, (1, 40))
+    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
+    got = [chain.step(ids[:, :8])]
+    decode.state, decode.position = chain.state, chain.position
+    got = np.concatenate(got + [decode.step(ids[:, p : p + 1]) for p in range(8, 40)], axis=1)
+    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
+    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # The online rotation runs in every layer's graph, as constant matmuls.
+    layers = TINY_CONFIGS[kind]["num_hidden_layers"]
+    rotations = [
+        node.name
+        for graph in prefill["graphs"]
+        for node in onnx.load(str(tmp_path / "p" / graph["file"])).graph.node
+        if "/mlp/down_rotation/" in node.name and node.op_type == "MatMul"
+    ]
+    assert len(rotations) == 2 * layers
+
+
+def _outlier_checkpoint(source, out):
+    """``source`` with one residual channel 60x the rest after every norm, as trained
+    models have, saved as a checkpoint of its own."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    for layer in model.model.layers:
+        layer.input_layernorm.weight.data[3] *= 60
+        layer.post_attention_layernorm.weight.data[3] *= 60
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "smollm2"])
+def test_rotation_keeps_the_logits_and_spreads_the_outliers(checkpoints, tmp_path, kind):
+    """The rotated model's matmul inputs and weights have no channel far above the rest,
+    where the plain model's q_proj inputs have one; down_proj's input is rotated too."""
+    from npuforge.models.llama import config as llama_config
+    from npuforge.models.llama import model as llama_model
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import rotation, smoothing
+    from npuforge.models.llama import weights as llama_weights
+
+    checkpoint = _outlier_checkpoint(checkpoints[kind], tmp_path / "outlier")
+    cfg = llama_config.load_config(checkpoint)
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoint), 64)
+    vocab = cfg.vocab_size
+    sequences = np.random.default_rng(3).integers(0, vocab, (4, 24)).tolist()
+
+    def run(tokens):
+        return llama_export.run_from_empty_cache(model, [tokens], 64)[0].numpy()
+
+    def spread(ranges, name):
+        return float(ranges[name].max() / ranges[name].median())
+
+    before = run(sequences[0])
+    plain = smoothing.activation_ranges(model, sequences, [], 64, run)
+    block = model.layers[0]
+    folded = (block.mlp.gate_proj.weight * block.post_attention_layernorm.weight).detach()
+    weight_spread = float(folded.abs().amax(0).max() / folded.abs().amax(0).median())
+    record = rotation.rotate(model, seed=0)
+    rotated = smoothing.activation_ranges(model, sequences, [], 64, run)
+    after = run(sequences[0])
+    assert np.abs(after - before).max() <= 1e-5 * np.abs(before).max()
+    for name in ("layers.0.self_attn.q_proj", "layers.1.mlp.gate_proj"):
+        assert spread(plain, name) > 10 and spread(rotated, name) < 4, name
+    # The norm's outlier folded into the weights is spread over every input column too.
+    columns = model.layers[0].mlp.gate_proj.weight.detach().abs().amax(0)
+    assert float(columns.max() / columns.median()) < 3 and weight_spread > 10
+    assert record["down_proj_input"]["factors"][0] * record["down_proj_input"]["factors"][1] == (
+        cfg.intermediate_size
+    )
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+
+
+def test_rotate_is_a_per_precision_export_option_refused_beside_smoothquant():
+    from npuforge.models import llama
+
+    model = {"context_length": 64}
+    export = {"rotate": {"w8a8": 7, "a16w4": 0}, "smoothquant": {"a16w8": 0.5}}
+    assert llama.export_options(model, export, "w8a8")["rotate"] == {"seed": 7}
+    assert "rotate" not in llama.export_options(model, export, "fp16")
+    export["smoothquant"]["w8a8"] = 0.5
+    with pytest.raises(NpuforgeError, match="smoothquant and export.rotate both name w8a8"):
+        llama.export_options(model, export, "w8a8")
+
+
+def _correlated_problem(seed, rows, columns, samples=200):
+    """A weight and the Hessian X^T X of correlated inputs X."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    mix = np.eye(columns) + 0.3 * rng.standard_normal((columns, columns))
+    x = rng.standard_normal((samples, columns)) @ mix
+    return torch.from_numpy(rng.standard_normal((rows, columns))), torch.from_numpy(x.T @ x)
+
+
+def _greedy_obs(w, h, bits, group, symmetric, damp):
+    """An independent GPTQ: round the columns left to right; after each, move its error
+    onto the columns left by the exact inverse of their own sub-Hessian (OBS), per row.
+    Grids as the module's: from the row (group) when its first column comes, extremes
+    pinned to the end levels."""
+    w, h = np.array(w, dtype=np.float64), np.array(h, dtype=np.float64)
+    h = h + damp * np.mean(np.diag(h)) * np.eye(len(h))
+    rows, columns = w.shape
+    width = group or columns
+    out = np.zeros_like(w)
+    for r in range(rows):
+        row = w[r].copy()
+        for c in range(columns):
+            if c % width == 0:
+                span = row[c : c + width]
+                if symmetric:
+                    top = 2 ** (bits - 1) - 1
+                    low, high, offset = -top, top, 0.0
+                    step = np.abs(span).max() / top
+                    at = int(np.abs(span).argmax())
+                    pins = {c + at: low if span[at] < 0 else high}
+                else:
+                    low, high, offset = 0, 2**bits - 1, span.min()
+                    step = (span.max() - span.min()) / high
+                    pins = {c + int(span.argmin()): low, c + int(span.argmax()): high}
+            level = pins.get(c, np.clip(np.round((row[c] - offset) / step), low, high))
+            out[r, c] = offset + level * step
+            rest = np.arange(c, columns)
+            inverse = np.linalg.inv(h[np.ix_(rest, rest)])
+            row[rest] -= (row[c] - out[r, c]) / inverse[0, 0] * inverse[0]
+    return out
+
+
+@pytest.mark.parametrize(
+    "bits, group, symmetric", [(4, None, False), (4, 8, False), (3, None, True), (8, 8, True)]
+)
+def test_gptq_is_the_obs_update_column_by_column(bits, group, symmetric):
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest, rounding_loss
+
+    w, h = _correlated_problem(0, rows=5, columns=24)
+    got = gptq(w, h, WeightGrid(bits, group, symmetric), damp=0.01).numpy()
+    want = _greedy_obs(w.numpy(), h.numpy(), bits, group, symmetric, 0.01)
+    assert np.abs(got - want).max() < 1e-9
+    nearest = round_to_nearest(w, WeightGrid(bits, group, symmetric))
+    assert rounding_loss(w, torch.from_numpy(got), h) < 0.8 * rounding_loss(w, nearest, h)
+
+
+def test_gptq_against_the_best_rounding_of_a_tiny_matrix():
+    """2 x 3 weights, 4-bit symmetric per row: an exhaustive search over all 15^3 grid
+    assignments of each row gives the least ||X W^T - X Q^T||. GPTQ's greedy column order
+    is not that optimum; on these problems it lies between it and round-to-nearest, and
+    below round-to-nearest on some."""
+    import itertools
+
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest, rounding_loss
+
+    grid = WeightGrid(4, symmetric=True)
+    levels = torch.tensor(list(itertools.product(range(-7, 8), repeat=3)), dtype=torch.float64)
+    better = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        mix = np.array([[1.0, 0.9, 0.0], [0.0, 0.5, 0.8], [0.0, 0.0, 0.4]])
+        x = rng.standard_normal((32, 3)) @ mix
+        w, h = torch.from_numpy(rng.standard_normal((2, 3))), torch.from_numpy(x.T @ x)
+        best = 0.0
+        for row, step in enumerate(w.abs().amax(1) / 7):
+            delta = w[row][None, :] - levels * step
+            best += float(torch.einsum("ni,ij,nj->n", delta, h, delta).min())
+        rounded = gptq(w, h, grid, damp=0.0)
+        assert round_to_nearest(rounded, grid).equal(rounded)  # on the grid
+        error = rounding_loss(w, rounded, h)
+        nearest = rounding_loss(w, round_to_nearest(w, grid), h)
+        assert best <= error + 1e-12 and error <= nearest + 1e-12
+        better += error < 0.97 * nearest
+    assert better >= 3
+
+
+def test_gptq_with_an_identity_hessian_rounds_to_nearest():
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest
+
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal((6, 64)))
+    for grid in (WeightGrid(4, 32), WeightGrid(8), WeightGrid(4, symmetric=True)):
+        assert gptq(w, torch.eye(64, dtype=torch.float64), grid).equal(round_to_nearest(w, grid))
+
+
+def _tpu_mlir_w4_group(weight, group):
+    """TPU-MLIR's W4F16 group quantizer (A16MatMul's per-group parameters), dequantized:
+    per group, scale max(max - min, 1e-5) / 15, integer zero point clamp(-round(min /
+    scale), 0, 15), levels clamp(round(w / scale) + zp, 0, 15)."""
+    blocks = weight.reshape(-1, group).astype(np.float32)
+    low, high = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
+    scale = np.maximum(high - low, np.float32(1e-5)) / np.float32(15)
+    zero = np.clip(-np.round(low / scale), 0, 15)
+    levels = np.clip(np.round(blocks / scale) + zero, 0, 15)
+    return ((levels - zero) * scale).reshape(weight.shape)
+
+
+def test_gptq_weights_survive_each_backends_own_rounding():
+    """What each backend does to an export of GPTQ's weights: QNN's per-channel int8
+    (onnxruntime's symmetric quantizer) and its int4 blocks of a block_centres export
+    (the QNN job's block_steps), TPU-MLIR's W4F16 groups of a group_offsets export. Each
+    gives back GPTQ's weights (to float32 rounding)."""
+    import onnx
+    import torch
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    from npuforge.jobs import qnn_job
+    from npuforge.models.llama.group_offsets import GroupOffsetLinear
+    from npuforge.quantization import WeightGrid, gptq
+
+    w, h = _correlated_problem(2, rows=16, columns=128)
+
+    def requantized_rows(weight):
+        moved = 0
+        for row in weight:
+            zero, scale, steps = quantize_data(row, onnx.TensorProto.INT8, symmetric=True)
+            moved += zero != 0 or np.abs(steps * scale - row).max() > 1e-6 * np.abs(row).max()
+        return moved
+
+    grid = WeightGrid(8, symmetric=True)
+    assert requantized_rows(gptq(w, h, grid).float().numpy()) == 0
+    # The same without the pins: the feedback moved some rows' largest weight off its
+    # end level, so onnxruntime derives another scale and rounds the row again.
+    assert requantized_rows(gptq(w, h, grid, pin=False).float().numpy()) > 0
+
+    four = gptq(w, h, WeightGrid(4, 32)).float()
+    for centred in (False, True):
+        linear = torch.nn.Linear(128, 16, bias=False)
+        linear.weight.data = four.clone()
+        split = GroupOffsetLinear(linear, 32, centred=centred)
+        main = split.weight.detach().numpy()
+        if centred:  # QNN: signed int4 blocks of 32 inputs per output column, [in, out]
+            steps, scale = qnn_job.block_steps(main.T, 32, 4)
+            back = (steps.reshape(4, 32, 16) * scale[:, None, :]).reshape(128, 16).T
+        else:  # TPU-MLIR: each group's minimum moved out, so its zero point is 0
+            back = _tpu_mlir_w4_group(main, 32)
+        assert np.abs(back - main).max() <= 1e-5 * np.abs(main).max()

@@ -25,6 +25,7 @@ EXPORT_OPTIONS = (
     "smoothquant",
     "group_offsets",
     "block_centres",
+    "rotate",
 )
 
 
@@ -35,8 +36,8 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
     ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}``,
-    ``block_centres: {precision: group}`` and ``tanh_silu: [precision, ...]`` give that
-    precision an export of its own.
+    ``block_centres: {precision: group}``, ``rotate: {precision: seed}`` and
+    ``tanh_silu: [precision, ...]`` give that precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -51,6 +52,14 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     alpha = (export.get("smoothquant") or {}).get(precision)
     if alpha is not None:
         options["smoothquant"] = {"alpha": float(alpha)}
+    seed = (export.get("rotate") or {}).get(precision)
+    if seed is not None:
+        if alpha is not None:
+            raise NpuforgeError(
+                f"export.smoothquant and export.rotate both name {precision}; a rotation "
+                f"spreads the outliers SmoothQuant moves: keep {precision} in one of them"
+            )
+        options["rotate"] = {"seed": int(seed)}
     group = (export.get("group_offsets") or {}).get(precision)
     centres = (export.get("block_centres") or {}).get(precision)
     if group is not None and centres is not None:

@@ -330,6 +330,7 @@ def export_llama(
     smoothquant: dict | None = None,
     group_offsets: dict | None = None,
     block_centres: dict | None = None,
+    rotate: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -352,6 +353,9 @@ def export_llama(
     a side matmul (``npuforge.models.llama.group_offsets``), for 4-bit group quantizers.
     block_centres: {"group": g}: the MLP matmuls' per-group centres moved into a side
     matmul, for symmetric 4-bit block quantizers.
+    rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
+    norms folded, the residual stream, V per head and down_proj's input (online, a
+    constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
     """
     import torch
 
@@ -380,15 +384,25 @@ def export_llama(
             f"kv_prefix {kv_prefix} must be fewer than cache_len ({cache_len}) token ids below "
             f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
         )
-    # Smoothing needs fp32 activations, the offsets fp32 weights: the model is cast after.
+    if smoothquant and rotate:
+        raise NpuforgeError(
+            "smoothquant and rotate both apply to this precision; a rotation already spreads "
+            "the outliers SmoothQuant moves: keep the precision in one of them"
+        )
+    # Smoothing needs fp32 activations, the offsets and rotations fp32 weights: the model
+    # is cast after.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    load_dtype = torch.float32 if smoothquant or any(split_options.values()) else torch_dtype
-    state_dict = load_state_dict(checkpoint_dir, load_dtype)
+    wide = smoothquant or rotate or any(split_options.values())
+    state_dict = load_state_dict(checkpoint_dir, torch.float32 if wide else torch_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes, tanh_silu=tanh_silu)
     del state_dict
-    smoothed = None
+    smoothed = rotated = None
     if smoothquant:
         smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+    if rotate:
+        from npuforge.models.llama.rotation import rotate as rotate_model
+
+        rotated = rotate_model(model, int(rotate["seed"]))
     from npuforge.models.llama.group_offsets import split_group_offsets
 
     split = {
@@ -471,6 +485,9 @@ def export_llama(
         if smoothed:
             meta["smoothquant"] = smoothed
             meta["options"]["smoothquant"] = smoothed["alpha"]
+        if rotated:
+            meta["rotation"] = rotated
+            meta["options"]["rotate"] = rotated["seed"]
         for option, record in split.items():
             meta[option] = record
             meta["options"][option] = record["group"]
