@@ -102,6 +102,15 @@ class _Span:
         self.rest = 0 if grid.symmetric else low
         self.step = torch.where(self.constant, torch.ones_like(self.step), self.step)
 
+    def round_all(self, block: torch.Tensor) -> torch.Tensor:
+        """The grid values of the whole group ``block`` [rows, g], pins applied."""
+        offset, step = self.offset[:, None], self.step[:, None]
+        levels = torch.clamp(torch.round((block - offset) / step), self.low, self.high)
+        for where, level in self.pins:
+            levels.scatter_(1, where[:, None], level[:, None].to(levels.dtype))
+        levels = torch.where(self.constant[:, None], self.rest, levels)
+        return offset + levels * step
+
     def round(self, column: torch.Tensor, index: int) -> torch.Tensor:
         """The grid value of ``column`` (the group's column ``index``), pins applied."""
         levels = torch.clamp(torch.round((column - self.offset) / self.step), self.low, self.high)
@@ -115,14 +124,11 @@ class _Span:
 def round_to_nearest(weight: torch.Tensor, grid: WeightGrid) -> torch.Tensor:
     """Every weight rounded to its row's (group's) grid (same dtype as ``weight``)."""
     _check_shape(weight, grid)
-    w = weight.detach().double()
-    width = grid.group or w.shape[1]
-    out = torch.empty_like(w)
-    for start in range(0, w.shape[1], width):
-        span = _Span(w[:, start : start + width], grid)
-        for j in range(width):
-            out[:, start + j] = span.round(w[:, start + j], j)
-    return out.to(weight.dtype)
+    rows, columns = weight.shape
+    width = grid.group or columns
+    blocks = weight.detach().double().reshape(rows * (columns // width), width)
+    rounded = _Span(blocks, grid).round_all(blocks)
+    return rounded.reshape(rows, columns).to(weight.dtype)
 
 
 def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -142,39 +148,58 @@ def gptq(
     grid: WeightGrid,
     damp: float = DAMP,
     pin: bool = True,
+    act_order: bool = False,
 ) -> torch.Tensor:
     """``weight`` [out, in] rounded by GPTQ against ``hessian`` [in, in] (sum of x x^T
     over the layer's inputs) onto ``grid``, extremes pinned (module docstring); returns the
-    rounded weights (dtype of ``weight``), every row (group) on its grid. ``pin=False``:
-    GPTQ as published, whose rows a backend deriving its grid from them may re-round."""
+    rounded weights (dtype of ``weight``), every row (group) on its grid.
+
+    ``act_order``: the columns are rounded in order of falling diag(H) (the inputs with
+    the most energy first, so the error of each lands on quieter ones), every group's
+    grid drawn from the weights before any feedback (its columns are rounded at
+    scattered times); else left to right, each group's grid drawn when its first column
+    comes. ``pin=False``: GPTQ as published, whose rows a backend deriving its grid from
+    them may round again."""
     _check_shape(weight, grid)
     columns = weight.shape[1]
     if hessian.shape != (columns, columns):
         raise NpuforgeError(
             f"a Hessian of shape {tuple(hessian.shape)} does not fit a weight of {columns} inputs"
         )
-    w = weight.detach().double().clone()
-    factor = _inverse_cholesky(hessian, damp)
-    out = torch.empty_like(w)
     width = grid.group or columns
-    block = max(width, (BLOCK // width) * width) if grid.group else BLOCK
+    order = torch.arange(columns)
+    if act_order:
+        order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+        spans = [
+            _Span(weight.detach().double()[:, g : g + width], grid, pin)
+            for g in range(0, columns, width)
+        ]
+    w = weight.detach().double()[:, order].clone()
+    factor = _inverse_cholesky(hessian.double()[order][:, order], damp)
+    out = torch.empty_like(w)
+    aligned = grid.group and not act_order
+    block = max(width, (BLOCK // width) * width) if aligned else BLOCK
     span = None if grid.group else _Span(w, grid, pin)
     for start in range(0, columns, block):
         end = min(start + block, columns)
         part, errors = w[:, start:end].clone(), torch.zeros_like(w[:, start:end])
         local = factor[start:end, start:end]
         for j in range(end - start):
-            column = start + j
-            if grid.group and column % width == 0:
+            column = int(order[start + j])
+            if act_order:
+                span = spans[column // width]
+            elif grid.group and column % width == 0:
                 # The group's grid, from its columns as the feedback has left them.
                 span = _Span(part[:, j : j + width], grid, pin)
             rounded = span.round(part[:, j], column % width)
-            out[:, column] = rounded
+            out[:, start + j] = rounded
             error = (part[:, j] - rounded) / local[j, j]
             part[:, j:] -= error[:, None] * local[j, j:][None, :]
             errors[:, j] = error
         w[:, end:] -= errors @ factor[start:end, end:]
-    return out.to(weight.dtype)
+    result = torch.empty_like(out)
+    result[:, order] = out
+    return result.to(weight.dtype)
 
 
 def rounding_loss(weight, rounded, hessian) -> float:

@@ -188,10 +188,12 @@ def target_export_dirs(model, target, precision):
 
 def export_options_json(model, key):
     options = PLAN.export_options(model, key)
-    if "smoothquant" in options:
-        # Its scales come from the calibration text: name it, and an edit re-exports.
-        text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
-        options = dict(options, smoothquant={**options["smoothquant"], **text})
+    for option in ("smoothquant", "gptq"):
+        if option in options:
+            # Its scales (roundings) come from the calibration text: name it, and an
+            # edit re-exports.
+            text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
+            options = dict(options, **{option: {**options[option], **text}})
     return as_json(options)
 
 

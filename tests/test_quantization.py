@@ -242,50 +242,62 @@ def _correlated_problem(seed, rows, columns, samples=200):
     return torch.from_numpy(rng.standard_normal((rows, columns))), torch.from_numpy(x.T @ x)
 
 
-def _greedy_obs(w, h, bits, group, symmetric, damp):
-    """An independent GPTQ: round the columns left to right; after each, move its error
-    onto the columns left by the exact inverse of their own sub-Hessian (OBS), per row.
-    Grids as the module's: from the row (group) when its first column comes, extremes
-    pinned to the end levels."""
+def _greedy_obs(w, h, bits, group, symmetric, damp, act_order=False):
+    """An independent GPTQ: round the columns one by one (left to right, or by falling
+    diag(H)); after each, move its error onto the columns left by the exact inverse of
+    their own sub-Hessian (OBS), row by row. Grids as the module's: drawn from the row
+    (group) when its first column comes (with act_order: from the weights as given),
+    extremes pinned to the end levels."""
     w, h = np.array(w, dtype=np.float64), np.array(h, dtype=np.float64)
     h = h + damp * np.mean(np.diag(h)) * np.eye(len(h))
     rows, columns = w.shape
     width = group or columns
+    order = list(range(columns))
+    if act_order:
+        order = [int(i) for i in np.argsort(-np.diag(h), kind="stable")]
+
+    def span_of(values, first):
+        if symmetric:
+            top = 2 ** (bits - 1) - 1
+            at = int(np.abs(values).argmax())
+            pins = {first + at: -top if values[at] < 0 else top}
+            return -top, top, 0.0, np.abs(values).max() / top, pins
+        top = 2**bits - 1
+        pins = {first + int(values.argmin()): 0, first + int(values.argmax()): top}
+        return 0, top, values.min(), (values.max() - values.min()) / top, pins
+
     out = np.zeros_like(w)
     for r in range(rows):
-        row = w[r].copy()
-        for c in range(columns):
-            if c % width == 0:
-                span = row[c : c + width]
-                if symmetric:
-                    top = 2 ** (bits - 1) - 1
-                    low, high, offset = -top, top, 0.0
-                    step = np.abs(span).max() / top
-                    at = int(np.abs(span).argmax())
-                    pins = {c + at: low if span[at] < 0 else high}
-                else:
-                    low, high, offset = 0, 2**bits - 1, span.min()
-                    step = (span.max() - span.min()) / high
-                    pins = {c + int(span.argmin()): low, c + int(span.argmax()): high}
+        row, spans = w[r].copy(), {}
+        if act_order:
+            spans = {g: span_of(row[g : g + width], g) for g in range(0, columns, width)}
+        for k, c in enumerate(order):
+            first = c - c % width
+            if not act_order and c == first:
+                spans[first] = span_of(row[first : first + width], first)
+            low, high, offset, step, pins = spans[first]
             level = pins.get(c, np.clip(np.round((row[c] - offset) / step), low, high))
             out[r, c] = offset + level * step
-            rest = np.arange(c, columns)
+            rest = order[k:]
             inverse = np.linalg.inv(h[np.ix_(rest, rest)])
             row[rest] -= (row[c] - out[r, c]) / inverse[0, 0] * inverse[0]
     return out
 
 
 @pytest.mark.parametrize(
-    "bits, group, symmetric", [(4, None, False), (4, 8, False), (3, None, True), (8, 8, True)]
-)
-def test_gptq_is_the_obs_update_column_by_column(bits, group, symmetric):
+    "bits, group, symmetric, act_order",
+    [(4, None, False, False), (4, 8, False, False), (3, None, True, False), (8, 8, True, False),
+     (4, 8, False, True), (8, None, True, True)],
+)  # fmt: skip
+def test_gptq_is_the_obs_update_column_by_column(bits, group, symmetric, act_order):
     import torch
 
     from npuforge.quantization import WeightGrid, gptq, round_to_nearest, rounding_loss
 
     w, h = _correlated_problem(0, rows=5, columns=24)
-    got = gptq(w, h, WeightGrid(bits, group, symmetric), damp=0.01).numpy()
-    want = _greedy_obs(w.numpy(), h.numpy(), bits, group, symmetric, 0.01)
+    grid = WeightGrid(bits, group, symmetric)
+    got = gptq(w, h, grid, damp=0.01, act_order=act_order).numpy()
+    want = _greedy_obs(w.numpy(), h.numpy(), bits, group, symmetric, 0.01, act_order)
     assert np.abs(got - want).max() < 1e-9
     nearest = round_to_nearest(w, WeightGrid(bits, group, symmetric))
     assert rounding_loss(w, torch.from_numpy(got), h) < 0.8 * rounding_loss(w, nearest, h)
@@ -385,3 +397,66 @@ def test_gptq_weights_survive_each_backends_own_rounding():
         else:  # TPU-MLIR: each group's minimum moved out, so its zero point is 0
             back = _tpu_mlir_w4_group(main, 32)
         assert np.abs(back - main).max() <= 1e-5 * np.abs(main).max()
+
+
+def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tmp_path):
+    """gptq with group_offsets of the same group (TPU-MLIR W4F16), after a rotation:
+    every projection lies on a 4-bit grid of its groups, which the group_offsets record
+    counts; with block_centres (QNN int4 blocks) only the MLP is rounded; 8-bit per
+    channel survives onnxruntime's symmetric int8; the record names grid and text."""
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    from npuforge.models.llama import onnx_export as llama_export
+
+    checkpoint, layers = checkpoints["smollm2"], TINY_CONFIGS["smollm2"]["num_hidden_layers"]
+    common = dict(variant="decode", dtype="fp32", cache_len=64, fp16_fixes=True, kv_prefix=[1])
+    # A short text (bytes as tokens: this checkpoint has no tokenizer) keeps the test quick.
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper writes three lines in the logbook every evening. " * 6)
+    four = {"bits": 4, "group": 16, "symmetric": False, "text": str(text)}
+    meta = llama_export.export_llama(
+        checkpoint, tmp_path / "g", rotate={"seed": 0}, gptq=four, group_offsets={"group": 16},
+        **common,
+    )  # fmt: skip
+    assert meta["group_offsets"] == {"group": 16, "matmuls": 7 * layers, "on_4bit_grid": 7 * layers}
+    assert meta["gptq"]["grid"] == "4-bit asymmetric, groups of 16"
+    assert meta["gptq"]["text"]["tokenizer"]["kind"] == "bytes" and meta["rotation"]
+    plain = llama_export.export_llama(
+        checkpoint, tmp_path / "p", rotate={"seed": 0}, group_offsets={"group": 16}, **common
+    )
+    assert plain["group_offsets"]["on_4bit_grid"] == 0
+
+    meta = llama_export.export_llama(
+        checkpoint, tmp_path / "b", gptq=four, block_centres={"group": 16}, **common
+    )
+    assert meta["gptq"]["projections"] == ["down_proj", "gate_proj", "up_proj"]
+    assert meta["block_centres"]["on_4bit_grid"] == 3 * layers
+
+    eight = {"bits": 8, "symmetric": True, "text": str(text)}
+    meta = llama_export.export_llama(checkpoint, tmp_path / "e", gptq=eight, **common)
+    graph = onnx.load(str(tmp_path / "e" / meta["graphs"][0]["file"])).graph
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    projections = [name for name in weights if name.endswith("_proj.weight_t")]
+    assert len(projections) == 7 * layers
+    for name in projections:
+        for column in weights[name].T:  # [in, out]: one output channel per column
+            zero, scale, steps = quantize_data(column, onnx.TensorProto.INT8, symmetric=True)
+            assert np.abs(steps * scale - column).max() <= 1e-6 * np.abs(column).max(), name
+
+
+def test_gptq_option_matches_its_grid_to_the_export_split():
+    from npuforge.models import llama
+
+    model = {"context_length": 64}
+    export = {"gptq": {"w4f16": {"bits": 4, "group": 32}}, "group_offsets": {"w4f16": 32}}
+    got = llama.export_options(model, export, "w4f16")["gptq"]
+    assert got == {"bits": 4, "group": 32, "symmetric": False}
+    export["group_offsets"]["w4f16"] = 64
+    with pytest.raises(NpuforgeError, match="splits groups of 64: give gptq"):
+        llama.export_options(model, export, "w4f16")
+    export = {"gptq": {"a16w8": {"bits": 8}, "a16w4": {"bits": 4}}}
+    assert llama.export_options(model, export, "a16w8")["gptq"]["symmetric"] is True
+    with pytest.raises(NpuforgeError, match="give a group"):
+        llama.export_options(model, export, "a16w4")

@@ -235,6 +235,27 @@ def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) 
     return summary
 
 
+def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -> dict:
+    """Round ``model``'s projections by GPTQ from the calibration text (whole documents,
+    after the kv_prefix) onto the grid ``options`` names."""
+    from npuforge import texts
+    from npuforge.models.llama import rounding
+    from npuforge.quantization import WeightGrid
+
+    documents = texts.read_documents(options.get("text") or None)
+    tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
+    sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
+    grid = WeightGrid(int(options["bits"]), options.get("group"), bool(options["symmetric"]))
+    names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
+    record = rounding.round_decoder(model, sequences, prefix, grid, names=names)
+    record["text"] = {
+        "documents": len(documents),
+        "sha256": texts.text_digest(documents),
+        "tokenizer": described,
+    }
+    return record
+
+
 def cache_name(layer: int, kind: str) -> str:
     """Graph input name of layer ``layer``'s K (kind "k") or V cache; the output adds _out."""
     return f"cache_{layer}_{kind}"
@@ -331,6 +352,7 @@ def export_llama(
     group_offsets: dict | None = None,
     block_centres: dict | None = None,
     rotate: dict | None = None,
+    gptq: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -356,6 +378,10 @@ def export_llama(
     rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
     norms folded, the residual stream, V per head and down_proj's input (online, a
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
+    gptq: {"bits", "group", "symmetric", "text"}: the decoder projections (with
+    block_centres: the MLP's, the ones a block quantizer takes) rounded by GPTQ onto that
+    grid from the calibration text (``npuforge.models.llama.rounding``), after any
+    rotation and before any split.
     """
     import torch
 
@@ -392,7 +418,7 @@ def export_llama(
     # Smoothing needs fp32 activations, the offsets and rotations fp32 weights: the model
     # is cast after.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    wide = smoothquant or rotate or any(split_options.values())
+    wide = smoothquant or rotate or gptq or any(split_options.values())
     state_dict = load_state_dict(checkpoint_dir, torch.float32 if wide else torch_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes, tanh_silu=tanh_silu)
     del state_dict
@@ -403,6 +429,10 @@ def export_llama(
         from npuforge.models.llama.rotation import rotate as rotate_model
 
         rotated = rotate_model(model, int(rotate["seed"]))
+    rounded = None
+    if gptq:
+        mlp_only = bool(block_centres)
+        rounded = _round(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
     from npuforge.models.llama.group_offsets import split_group_offsets
 
     split = {
@@ -488,6 +518,9 @@ def export_llama(
         if rotated:
             meta["rotation"] = rotated
             meta["options"]["rotate"] = rotated["seed"]
+        if rounded:
+            meta["gptq"] = rounded
+            meta["options"]["gptq"] = rounded["grid"]
         for option, record in split.items():
             meta[option] = record
             meta["options"][option] = record["group"]
