@@ -161,4 +161,3 @@ def input_ranges(model, sequences, prefix) -> dict:
         for hook in hooks:
             hook.remove()
     return ranges
-
