@@ -117,29 +117,31 @@ def test_hadamard_orders_are_hadamard_and_cover_the_families_sizes():
 
 
 ROTATION_CASES = [
-    # (kind, chunks, fp16_fixes, kv_prefix, tanh_silu)
-    ("llama", 2, False, (), False),  # GQA, untied lm_head
-    ("qwen2", 1, True, (), True),  # q/k/v biases
-    ("smollm2", 2, True, (1,), True),  # tied lm_head, one KV head, a kv_prefix
-    ("qwen3", 1, True, (2, 5), False),  # q/k norms, head_dim apart from hidden / heads
+    # (kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha)
+    ("llama", 2, False, (), False, True),  # GQA, untied lm_head, the MHA->SHA pass
+    ("qwen2", 1, True, (), True, False),  # q/k/v biases
+    ("smollm2", 2, True, (1,), True, True),  # tied lm_head, one KV head, a kv_prefix
+    ("qwen3", 1, True, (2, 5), False, False),  # q/k norms, head_dim apart from hidden / heads
 ]
 
 
-@pytest.mark.parametrize("kind, chunks, fp16_fixes, kv_prefix, tanh_silu", ROTATION_CASES)
+@pytest.mark.parametrize("kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha", ROTATION_CASES)
 def test_rotated_export_matches_transformers(
-    checkpoints, tmp_path, kind, chunks, fp16_fixes, kv_prefix, tanh_silu
+    checkpoints, tmp_path, kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha
 ):
     """A rotated export is the same function: prefill then decode through onnxruntime
     against transformers (after the kv_prefix, computed at export by the rotated model),
-    with the fp16-safe norm, tanh_silu and chunks as given."""
+    with the fp16-safe norm, tanh_silu, chunks and the MHA->SHA pass as given."""
     import onnx
 
     from npuforge.models.llama import onnx_export as llama_export
     from npuforge.runtime import GraphChain
 
     checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
-    common = dict(dtype="fp32", chunks=chunks, batch=1, cache_len=64, fp16_fixes=fp16_fixes,
-                  kv_prefix=kv_prefix, tanh_silu=tanh_silu, rotate={"seed": 4})  # fmt: skip
+    common = dict(
+        dtype="fp32", chunks=chunks, batch=1, cache_len=64, fp16_fixes=fp16_fixes, sha=sha,
+        kv_prefix=kv_prefix, tanh_silu=tanh_silu, rotate={"seed": 4},
+    )  # fmt: skip
     prefill = llama_export.export_llama(
         checkpoint, tmp_path / "p", variant="prefill", tokens=8, **common
     )
