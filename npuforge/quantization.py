@@ -11,6 +11,10 @@ offset from the row's (group's) extremes. ``WeightGrid`` names two such derivati
 * symmetric: levels -(2^(bits-1) - 1) .. 2^(bits-1) - 1 of max|w| / (2^(bits-1) - 1).
   QNN's per-channel int8 (onnxruntime's symmetric int8) and its int8 blocks; TPU-MLIR's
   W8F16 per channel.
+* asymmetric with an integer zero point (``integer_zero``): 2^bits levels over
+  [min(w, 0), max(w, 0)], zero on a level (the zero point round(-min / step)). RKNN's
+  per-channel int8 (rknn-toolkit2 2.5.0, rk3588 w8a8: found by experiment, see
+  docs/quantization.md); onnxruntime's asymmetric uint8.
 
 GPTQ (Frantar et al., 2023) rounds the columns of W one after another and moves each
 column's rounding error onto the columns not yet rounded, weighted by the inverse
@@ -42,12 +46,15 @@ class WeightGrid:
     bits: int
     group: int | None = None  # inputs per step and offset; None: one per output row
     symmetric: bool = False
+    integer_zero: bool = False  # asymmetric over a range holding 0, which is a level
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 5, 6, 7, 8):
             raise NpuforgeError(f"weight grids have 2 to 8 bits, got {self.bits}")
         if self.group is not None and self.group < 2:
             raise NpuforgeError(f"a weight group holds 2 inputs or more, got {self.group}")
+        if self.symmetric and self.integer_zero:
+            raise NpuforgeError("a symmetric grid's zero point is 0; drop integer_zero")
 
     @property
     def levels(self) -> tuple[int, int]:
@@ -59,6 +66,8 @@ class WeightGrid:
 
     def describe(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
+        if self.integer_zero:
+            kind += " with an integer zero point"
         where = f"groups of {self.group}" if self.group else "per output channel"
         return f"{self.bits}-bit {kind}, {where}"
 
@@ -79,21 +88,32 @@ class _Span:
     def __init__(self, block: torch.Tensor, grid: WeightGrid, pin: bool = True):
         low, high = grid.levels
         self.low, self.high = low, high
+        # Pins: (column, level, rows it applies to) per extreme.
         if grid.symmetric:
             magnitude, where = block.abs().max(1)
             self.step = magnitude / high
             self.offset = torch.zeros_like(magnitude)
             sign = torch.sign(block.gather(1, where[:, None])[:, 0])
             # The largest magnitude keeps its end level (its sign's end).
-            self.pins = [(where, torch.where(sign < 0, low, high))]
+            level = torch.where(sign < 0, low, high)
+            self.pins = [(where, level, torch.ones_like(where, dtype=torch.bool))]
         else:
             minimum, at_min = block.min(1)
             maximum, at_max = block.max(1)
+            every = torch.ones_like(at_min, dtype=torch.bool)
+            low_pin, high_pin = every, every
+            if grid.integer_zero:
+                # The range holds 0; an extreme on the zero's side has no level to keep.
+                low_pin, high_pin = minimum < 0, maximum > 0
+                minimum, maximum = minimum.clamp(max=0), maximum.clamp(min=0)
             self.step = (maximum - minimum) / (high - low)
             self.offset = minimum
+            if grid.integer_zero:
+                safe = torch.where(self.step > 0, self.step, torch.ones_like(self.step))
+                self.offset = -torch.round(-minimum / safe) * safe
             self.pins = [
-                (at_min, torch.full_like(at_min, low)),
-                (at_max, torch.full_like(at_max, high)),
+                (at_min, torch.full_like(at_min, low), low_pin),
+                (at_max, torch.full_like(at_max, high), high_pin),
             ]
         if not pin:
             self.pins = []
@@ -106,16 +126,18 @@ class _Span:
         """The grid values of the whole group ``block`` [rows, g], pins applied."""
         offset, step = self.offset[:, None], self.step[:, None]
         levels = torch.clamp(torch.round((block - offset) / step), self.low, self.high)
-        for where, level in self.pins:
-            levels.scatter_(1, where[:, None], level[:, None].to(levels.dtype))
+        for where, level, rows in self.pins:
+            pinned = levels.gather(1, where[:, None])[:, 0]
+            pinned = torch.where(rows, level.to(levels.dtype), pinned)
+            levels.scatter_(1, where[:, None], pinned[:, None])
         levels = torch.where(self.constant[:, None], self.rest, levels)
         return offset + levels * step
 
     def round(self, column: torch.Tensor, index: int) -> torch.Tensor:
         """The grid value of ``column`` (the group's column ``index``), pins applied."""
         levels = torch.clamp(torch.round((column - self.offset) / self.step), self.low, self.high)
-        for where, level in self.pins:
-            hit = where == index
+        for where, level, rows in self.pins:
+            hit = (where == index) & rows
             levels = torch.where(hit, level.to(levels.dtype), levels)
         levels = torch.where(self.constant, self.rest, levels)
         return self.offset + levels * self.step

@@ -104,6 +104,14 @@ def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:
             f"{{bits: {bits}, group: {split_group}}} so the backend's grid is GPTQ's"
         )
     option = {"bits": bits, "symmetric": symmetric}
+    if spec.get("integer_zero"):
+        if symmetric or split_group is not None:
+            raise NpuforgeError(
+                f"export.gptq for {precision}: integer_zero is an asymmetric grid over a "
+                "range holding 0 (RKNN's per-channel int8); set symmetric: false and no "
+                "group split"
+            )
+        option["integer_zero"] = True
     if group is not None:
         option["group"] = int(group)
     return option

@@ -245,7 +245,12 @@ def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -
     documents = texts.read_documents(options.get("text") or None)
     tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
     sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
-    grid = WeightGrid(int(options["bits"]), options.get("group"), bool(options["symmetric"]))
+    grid = WeightGrid(
+        int(options["bits"]),
+        options.get("group"),
+        bool(options["symmetric"]),
+        bool(options.get("integer_zero", False)),
+    )
     names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
     record = rounding.round_decoder(model, sequences, prefix, grid, names=names)
     record["text"] = {
@@ -378,7 +383,7 @@ def export_llama(
     rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
     norms folded, the residual stream, V per head and down_proj's input (online, a
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
-    gptq: {"bits", "group", "symmetric", "text"}: the decoder projections (with
+    gptq: {"bits", "group", "symmetric", "integer_zero", "text"}: the decoder projections (with
     block_centres: the MLP's, the ones a block quantizer takes) rounded by GPTQ onto that
     grid from the calibration text (``npuforge.models.llama.rounding``), after any
     rotation and before any split.
