@@ -88,11 +88,13 @@ def round_decoder(
     damp: float = DAMP,
     act_order: bool = False,
     names=None,
+    pin: bool = True,
 ) -> dict:
     """Round every decoder projection of ``model`` (float32, in place) onto ``grid``:
     ``method`` "gptq" (layer by layer as the module docstring says) or "nearest";
-    ``names``: only these projections (say, the MLP's), the rest left as they are. The
-    embedding, norms and lm_head stay as they are. Returns the record of it."""
+    ``names``: only these projections (say, the MLP's), the rest left as they are;
+    ``pin``: see ``npuforge.quantization.gptq``. The embedding, norms and lm_head stay
+    as they are. Returns the record of it."""
     chosen = set(names or (n for _, group in SUBLAYERS for n in group))
     if method == "nearest":
         with torch.no_grad():
@@ -113,7 +115,7 @@ def round_decoder(
             hessian, positions = _hessian(block, cfg, linears[0], states, skip)
             with torch.no_grad():
                 for linear in linears:
-                    rounded = gptq(linear.weight, hessian, grid, damp, act_order=act_order)
+                    rounded = gptq(linear.weight, hessian, grid, damp, pin, act_order)
                     linear.weight.copy_(rounded)
         for state in states:
             state[0] = _run_block(block, cfg, *state)
@@ -128,7 +130,9 @@ def round_decoder(
         "order": "layer by layer: q/k/v, o_proj, gate/up, down_proj, each from the inputs "
         "the rounded projections before it give",
         "extremes": "pinned to the grid's end levels, so a backend deriving its grid from "
-        "the exported weights rounds each to GPTQ's choice",
+        "the exported weights rounds each to GPTQ's choice"
+        if pin
+        else "free (a backend deriving its grid from the weights may round them again)",
     }
 
 
