@@ -101,6 +101,12 @@ def evaluate(model, ids, reference, activation_ranges=None) -> dict:
     return fidelity(reference, logits, ids[1:])
 
 
+def run_tokens(model, tokens):
+    from npuforge.models.llama.onnx_export import run_from_empty_cache
+
+    return run_from_empty_cache(model, [tokens], len(tokens))
+
+
 def calibration(model_dir, vocab, cap=None):
     """The project's calibration documents in the model's tokens, each cut at ``cap``."""
     from npuforge import texts
@@ -153,7 +159,9 @@ def run_model(model_id, model_dir, args, rows):
         start = time.perf_counter()
         ranges = None
         if name == "w8a8":
-            ranges = rounding.input_ranges(bases[rotate], held, PREFIX)
+            ranges = rounding.input_ranges(
+                bases[rotate], held, PREFIX, lambda t, m=bases[rotate]: run_tokens(m, t)
+            )
         model = rounded.get((grid_name, lever))
         if model is None:
             model = copy.deepcopy(bases[rotate])

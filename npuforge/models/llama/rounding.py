@@ -30,7 +30,7 @@ SUBLAYERS = (
 def _layer_inputs(model, sequences, prefix):
     """Per sequence: the embedded tokens [1, T, E] and the host inputs of one call over
     them from an empty cache of T slots."""
-    from npuforge.models.llama.onnx_export import host_inputs
+    from npuforge.models.llama.config import host_inputs
 
     cfg, states = model.cfg, []
     for ids in sequences:
@@ -136,11 +136,9 @@ def round_decoder(
     }
 
 
-def input_ranges(model, sequences, prefix) -> dict:
-    """(min, max) of every decoder projection's input over the calibration sequences
-    (the kv_prefix positions left out): per-tensor activation ranges."""
-    from npuforge.models.llama.onnx_export import run_from_empty_cache
-
+def input_ranges(model, sequences, prefix, run) -> dict:
+    """(min, max) of every decoder projection's input over ``run(prefix + sequence)``
+    calls (the kv_prefix positions left out): per-tensor activation ranges."""
     ranges, hooks, skip = {}, [], len(prefix)
 
     def record(name):
@@ -159,8 +157,7 @@ def input_ranges(model, sequences, prefix) -> dict:
                 hooks.append(linear.register_forward_pre_hook(record(f"{index}.{name}")))
     try:
         for ids in sequences:
-            tokens = [*prefix, *(int(t) for t in ids)]
-            run_from_empty_cache(model, [tokens], len(tokens))
+            run([*prefix, *(int(t) for t in ids)])
     finally:
         for hook in hooks:
             hook.remove()
