@@ -158,6 +158,9 @@ def check_registries(models: dict, targets: dict) -> None:
                 f"model {model_id}: a synthetic llama checkpoint is a model directory; "
                 "set format: hf"
             )
+        permuted = model["source"].get("permuted")
+        if permuted:
+            check_permuted_source(model_id, model, models)
         if model["tokenizer"] == "hf" and model["format"] not in ("hf", "gguf"):
             raise NpuforgeError(
                 f"model {model_id}: tokenizer hf ships the checkpoint's tokenizer.json, which a "
@@ -169,7 +172,7 @@ def check_registries(models: dict, targets: dict) -> None:
                 f"model {model_id}: format gguf is read for the llama family only; set family: "
                 "llama or use a pth/safetensors checkpoint"
             )
-        fixed_kind = "path" not in model["source"] and not synthetic_llama
+        fixed_kind = "path" not in model["source"] and not synthetic_llama and not permuted
         if fixed_kind and snapshot != (model["format"] == "hf"):
             raise NpuforgeError(
                 f"model {model_id}: format {model['format']} needs "
@@ -209,6 +212,38 @@ def check_registries(models: dict, targets: dict) -> None:
         if "prefill" in export["variants"] and "prefill_tokens" not in export:
             raise NpuforgeError(
                 f"target {target_id}: the prefill variant needs export.prefill_tokens; set it"
+            )
+
+
+def check_permuted_source(model_id: str, model: dict, models: dict) -> None:
+    """A permuted twin names a llama registry model, is a model directory, and keeps the
+    dimensions of its source (a permutation changes none)."""
+    base_id = model["source"]["permuted"]["model"]
+    base = models.get(base_id)
+    if base is None:
+        raise NpuforgeError(
+            f"model {model_id}: source.permuted.model names unknown model '{base_id}'; "
+            f"use one of {', '.join(sorted(models))}"
+        )
+    if base_id == model_id or "permuted" in base["source"]:
+        raise NpuforgeError(
+            f"model {model_id}: source.permuted.model must name a model with a checkpoint of "
+            f"its own, not '{base_id}'"
+        )
+    if model["family"] != "llama" or base["family"] != "llama":
+        raise NpuforgeError(
+            f"model {model_id}: a permuted twin is made for the llama family only; set "
+            "family: llama and name a llama model"
+        )
+    if model["format"] != "hf":
+        raise NpuforgeError(
+            f"model {model_id}: a permuted twin is a model directory; set format: hf"
+        )
+    for key in ("layers", "embed", "vocab"):
+        if model["arch"][key] != base["arch"][key]:
+            raise NpuforgeError(
+                f"model {model_id}: arch.{key}={model['arch'][key]} differs from its source "
+                f"{base_id}'s ({base['arch'][key]}); a permutation keeps the dimensions"
             )
 
 

@@ -136,7 +136,15 @@ def local_source_stamp(model):
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
+def permuted_source(model):
+    # The registry model a permuted twin is made from, else None.
+    return MODELS[model]["source"].get("permuted", {}).get("model")
+
+
 def fetched_path(model):
+    # A permuted twin is made, not fetched: its directory stands where a fetch's would.
+    if permuted_source(model):
+        return f"{RESULTS}/models/{model}/permuted.hf"
     return f"{RESULTS}/models/{model}/checkpoint.{MODELS[model]['format']}"
 
 
@@ -152,9 +160,21 @@ def fetch_record(model):
 
 
 def dequantize_record(model):
+    # A twin of a GGUF model ships the record of the dequantization it was made from.
+    base = permuted_source(model)
+    if base:
+        return dequantize_record(base)
     if MODELS[model]["format"] == "gguf":
         return f"{RESULTS}/models/{model}/dequantized.hf.json"
     return []
+
+
+def pinned_models():
+    # The models whose pins are checked before any job: those built and their twins' sources.
+    built = PLAN.models_built()
+    return sorted(
+        set(built) | {permuted_source(m) for m in built if permuted_source(m)}
+    )
 
 
 def export_dir(model, key):
@@ -169,10 +189,12 @@ def target_export_dirs(model, target, precision):
 
 def export_options_json(model, key):
     options = PLAN.export_options(model, key)
-    if "smoothquant" in options:
-        # Its scales come from the calibration text: name it, and an edit re-exports.
-        text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
-        options = dict(options, smoothquant={**options["smoothquant"], **text})
+    for option in ("smoothquant", "gptq"):
+        if option in options:
+            # Its scales (roundings) come from the calibration text: name it, and an
+            # edit re-exports.
+            text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
+            options = dict(options, **{option: {**options[option], **text}})
     return as_json(options)
 
 
@@ -445,7 +467,7 @@ def package_paths(wildcards, input, output):
 # and the calibration text exists.
 try:
     check_models(
-        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in PLAN.models_built()}
+        MODELS, {m: (fetched_path(m), fetch_record(m)) for m in pinned_models()}
     )
     if PLAN.needs_any_calibration():
         check_calibration_text(calibration_text())

@@ -70,6 +70,31 @@ rule dequantize:
         "python workflow_scripts/dequantize_gguf.py --gguf {input} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
 
 
+# A permuted twin (a test fixture of quantization): the same function on weights that lie
+# on no grid the source checkpoint was quantized to.
+rule permute:
+    input:
+        lambda w: checkpoint_path(permuted_source(w.model)),
+    output:
+        checkpoint=directory(f"{RESULTS}/models/{{model}}/permuted.hf"),
+        record=f"{RESULTS}/models/{{model}}/permuted.hf.json",
+    log:
+        f"{RESULTS}/logs/permute/{{model}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/permute/{{model}}.tsv"
+    conda:
+        MAIN_ENV
+    threads: 1
+    resources:
+        mem_mb=lambda w: export_mem_mb(w.model),
+    params:
+        code=step_code("permute_checkpoint"),
+        source=lambda w: as_json(MODELS[w.model]["source"]),
+        sha256=lambda w: MODELS[w.model].get("sha256") or "",
+    shell:
+        "python workflow_scripts/permute_checkpoint.py --checkpoint {input} --source {params.source:q} --sha256={params.sha256} --out {output.checkpoint} --record {output.record} > {log} 2>&1"
+
+
 rule inspect:
     input:
         checkpoint=lambda w: checkpoint_path(w.model),

@@ -220,3 +220,29 @@ def test_chip_tables_are_checked_when_the_registry_loads():
         models, targets = load_registries(config, REPO)
         with pytest.raises(NpuforgeError, match=message):
             check_registries(models, targets)
+
+
+def test_permuted_twin_names_a_llama_model_with_its_own_checkpoint():
+    models, targets = shipped()
+    twin = models["smollm2-135m-permuted"]
+    assert twin["source"] == {"permuted": {"model": "smollm2-135m", "seed": 0}}
+    assert "test fixture of quantization" in " ".join(twin["description"].split())
+    check_registries({"t": twin, "smollm2-135m": models["smollm2-135m"]}, targets)
+    cases = [
+        ({"model": "nope", "seed": 0}, {}, "names unknown model 'nope'"),
+        ({"model": "t", "seed": 0}, {}, "a model with a checkpoint of its own"),
+        ({"model": "rwkv7-demo", "seed": 0}, {}, "llama family only"),
+        ({"model": "smollm2-135m", "seed": 0}, {"format": "safetensors"}, "set format: hf"),
+        ({"model": "smollm2-135m", "seed": 0}, {"arch": {"layers": 2, "embed": 576,
+         "vocab": 49152}}, r"arch.layers=2 differs from its source smollm2-135m's \(30\)"),
+    ]  # fmt: skip
+    for source, change, message in cases:
+        bad = {**copy.deepcopy(twin), "source": {"permuted": source}, **change}
+        registry = {**models, "t": bad}
+        with pytest.raises(NpuforgeError, match=message) as err:
+            check_registries(registry, targets)
+        assert "\n" not in str(err.value)
+    bad = copy.deepcopy(twin)
+    bad["source"]["permuted"]["seed"] = -1
+    with pytest.raises(jsonschema.ValidationError):
+        valid("models", {"t": bad})

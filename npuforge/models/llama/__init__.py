@@ -25,6 +25,8 @@ EXPORT_OPTIONS = (
     "smoothquant",
     "group_offsets",
     "block_centres",
+    "rotate",
+    "gptq",
 )
 
 
@@ -35,8 +37,9 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     KV-cache graphs: the cache holds the model's context; MHA->SHA is a per-target
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
     ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}``,
-    ``block_centres: {precision: group}`` and ``tanh_silu: [precision, ...]`` give that
-    precision an export of its own.
+    ``block_centres: {precision: group}``, ``rotate: {precision: seed}``,
+    ``gptq: {precision: {bits, group, symmetric}}`` and ``tanh_silu: [precision, ...]``
+    give that precision an export of its own.
     """
     options = {
         "cache_len": int(model["context_length"]),
@@ -51,6 +54,14 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     alpha = (export.get("smoothquant") or {}).get(precision)
     if alpha is not None:
         options["smoothquant"] = {"alpha": float(alpha)}
+    seed = (export.get("rotate") or {}).get(precision)
+    if seed is not None:
+        if alpha is not None:
+            raise NpuforgeError(
+                f"export.smoothquant and export.rotate both name {precision}; a rotation "
+                f"spreads the outliers SmoothQuant moves: keep {precision} in one of them"
+            )
+        options["rotate"] = {"seed": int(seed)}
     group = (export.get("group_offsets") or {}).get(precision)
     centres = (export.get("block_centres") or {}).get(precision)
     if group is not None and centres is not None:
@@ -69,7 +80,41 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
         options["group_offsets"] = {"group": int(group)}
     if centres is not None:
         options["block_centres"] = {"group": int(centres)}
+    rounding = (export.get("gptq") or {}).get(precision)
+    if rounding is not None:
+        options["gptq"] = gptq_option(precision, rounding, group if centres is None else centres)
     return options
+
+
+def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:
+    """A precision's GPTQ grid, checked against its group split: a backend keeps GPTQ's
+    choice only on the grid it derives itself (npuforge.quantization)."""
+    bits, group = int(spec["bits"]), spec.get("group")
+    symmetric = bool(spec.get("symmetric", group is None))
+    if bits == 4 and group is None:
+        raise NpuforgeError(
+            f"export.gptq for {precision}: 4-bit weights per output channel are rounded by "
+            "each backend on a grid of its own (onnxruntime's int4: 2 max|w| / 15); give a "
+            "group (and the same group_offsets or block_centres)"
+        )
+    if split_group is not None and (group != split_group or symmetric):
+        raise NpuforgeError(
+            f"export.gptq for {precision} rounds onto {'symmetric ' if symmetric else ''}"
+            f"groups of {group}, but its export splits groups of {split_group}: give gptq "
+            f"{{bits: {bits}, group: {split_group}}} so the backend's grid is GPTQ's"
+        )
+    option = {"bits": bits, "symmetric": symmetric}
+    if spec.get("integer_zero"):
+        if symmetric or split_group is not None:
+            raise NpuforgeError(
+                f"export.gptq for {precision}: integer_zero is an asymmetric grid over a "
+                "range holding 0 (RKNN's per-channel int8); set symmetric: false and no "
+                "group split"
+            )
+        option["integer_zero"] = True
+    if group is not None:
+        option["group"] = int(group)
+    return option
 
 
 def inspect(path) -> dict:

@@ -132,3 +132,45 @@ def rope_rows(cfg: LlamaConfig, positions) -> tuple[np.ndarray, np.ndarray]:
     angles = np.asarray(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def host_inputs(
+    cfg: LlamaConfig,
+    *,
+    batch,
+    tokens,
+    cache_len,
+    position,
+    dtype=np.float32,
+    mask_value=MASK_VALUE,
+):
+    """The position-dependent graph inputs of one call, by role.
+
+    mask        [B, 1, T, L]  0 where slot <= position + t, else mask_value (causal + unused)
+    rope_cos    [B, 1, T, D]  RoPE cos/sin rows of positions position..position+T-1
+    rope_sin    [B, 1, T, D]
+    cache_write [B, 1, L, T]  one-hot: slot position+t receives this call's token t
+    cache_keep  [B, 1, L, 1]  1 - cache_write.sum(-1): slots that keep their old entry
+    """
+    if position < 0 or position + tokens > cache_len:
+        raise NpuforgeError(
+            f"position {position} + {tokens} tokens exceeds the exported cache of {cache_len}; "
+            "export with a larger cache_len or shorten the run"
+        )
+    positions = position + np.arange(tokens)
+    slots = np.arange(cache_len)
+    mask = np.where(slots[None, :] <= positions[:, None], 0.0, mask_value)
+    cos, sin = rope_rows(cfg, positions)
+    write = (slots[:, None] == positions[None, :]).astype(np.float64)
+    keep = 1.0 - write.sum(-1, keepdims=True)
+    values = {
+        "mask": mask,
+        "rope_cos": cos,
+        "rope_sin": sin,
+        "cache_write": write,
+        "cache_keep": keep,
+    }
+    return {
+        role: np.broadcast_to(value.astype(dtype), (batch, 1, *value.shape)).copy()
+        for role, value in values.items()
+    }

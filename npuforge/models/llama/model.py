@@ -91,6 +91,27 @@ def tanh_silu(x):
     return x * (0.5 + 0.5 * torch.tanh(0.5 * x))
 
 
+class KroneckerRotation(nn.Module):
+    """x -> x (A kron B) for x [..., a * b]: two small constant matmuls in place of one
+    of (a b)^2 weights. With x read as a * b rows Z, x (A kron B) is A^T Z B."""
+
+    def __init__(self, left: torch.Tensor, right: torch.Tensor):
+        super().__init__()
+        self.left = nn.Parameter(left, requires_grad=False)
+        self.right = nn.Parameter(right, requires_grad=False)
+        self.sizes = (int(left.shape[0]), int(right.shape[0]))
+
+    def forward(self, x):
+        a, b = self.sizes
+        if a == 1:
+            return x @ self.right
+        # Sizes read from x trace to constants: a static Reshape (see GroupOffsetLinear).
+        z = x.reshape(*x.shape[:-1], a, b) @ self.right
+        # A^T Z as (Z^T A)^T: the constant stays the second operand of its MatMul.
+        z = (z.transpose(-1, -2) @ self.left).transpose(-1, -2)
+        return z.reshape(x.shape)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, tanh_form: bool = False):
         super().__init__()
@@ -99,9 +120,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(e, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, e, bias=cfg.mlp_bias)
         self.activation = tanh_silu if tanh_form else nn.functional.silu
+        # An online rotation of down_proj's input (npuforge.models.llama.rotation).
+        self.down_rotation = None
 
     def forward(self, x):
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        h = self.activation(self.gate_proj(x)) * self.up_proj(x)
+        if self.down_rotation is not None:
+            h = self.down_rotation(h)
+        return self.down_proj(h)
 
 
 class Block(nn.Module):

@@ -40,7 +40,7 @@ import numpy as np
 
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
-from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, load_config, rope_rows
+from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, host_inputs, load_config
 from npuforge.models.llama.model import build_model
 from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
@@ -56,48 +56,6 @@ HOST_ROLES = {
     "cache_write": "cache_write",
     "cache_keep": "cache_keep",
 }
-
-
-def host_inputs(
-    cfg: LlamaConfig,
-    *,
-    batch,
-    tokens,
-    cache_len,
-    position,
-    dtype=np.float32,
-    mask_value=MASK_VALUE,
-):
-    """The position-dependent graph inputs of one call, by role.
-
-    mask        [B, 1, T, L]  0 where slot <= position + t, else mask_value (causal + unused)
-    rope_cos    [B, 1, T, D]  RoPE cos/sin rows of positions position..position+T-1
-    rope_sin    [B, 1, T, D]
-    cache_write [B, 1, L, T]  one-hot: slot position+t receives this call's token t
-    cache_keep  [B, 1, L, 1]  1 - cache_write.sum(-1): slots that keep their old entry
-    """
-    if position < 0 or position + tokens > cache_len:
-        raise NpuforgeError(
-            f"position {position} + {tokens} tokens exceeds the exported cache of {cache_len}; "
-            "export with a larger cache_len or shorten the run"
-        )
-    positions = position + np.arange(tokens)
-    slots = np.arange(cache_len)
-    mask = np.where(slots[None, :] <= positions[:, None], 0.0, mask_value)
-    cos, sin = rope_rows(cfg, positions)
-    write = (slots[:, None] == positions[None, :]).astype(np.float64)
-    keep = 1.0 - write.sum(-1, keepdims=True)
-    values = {
-        "mask": mask,
-        "rope_cos": cos,
-        "rope_sin": sin,
-        "cache_write": write,
-        "cache_keep": keep,
-    }
-    return {
-        role: np.broadcast_to(value.astype(dtype), (batch, 1, *value.shape)).copy()
-        for role, value in values.items()
-    }
 
 
 def extra_inputs(export_meta: dict, input_spec: dict, position: int) -> np.ndarray:
@@ -235,6 +193,32 @@ def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) 
     return summary
 
 
+def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -> dict:
+    """Round ``model``'s projections by GPTQ from the calibration text (whole documents,
+    after the kv_prefix) onto the grid ``options`` names."""
+    from npuforge import texts
+    from npuforge.models.llama import rounding
+    from npuforge.quantization import WeightGrid
+
+    documents = texts.read_documents(options.get("text") or None)
+    tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
+    sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
+    grid = WeightGrid(
+        int(options["bits"]),
+        options.get("group"),
+        bool(options["symmetric"]),
+        bool(options.get("integer_zero", False)),
+    )
+    names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
+    record = rounding.round_decoder(model, sequences, prefix, grid, names=names)
+    record["text"] = {
+        "documents": len(documents),
+        "sha256": texts.text_digest(documents),
+        "tokenizer": described,
+    }
+    return record
+
+
 def cache_name(layer: int, kind: str) -> str:
     """Graph input name of layer ``layer``'s K (kind "k") or V cache; the output adds _out."""
     return f"cache_{layer}_{kind}"
@@ -330,6 +314,8 @@ def export_llama(
     smoothquant: dict | None = None,
     group_offsets: dict | None = None,
     block_centres: dict | None = None,
+    rotate: dict | None = None,
+    gptq: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
@@ -352,6 +338,13 @@ def export_llama(
     a side matmul (``npuforge.models.llama.group_offsets``), for 4-bit group quantizers.
     block_centres: {"group": g}: the MLP matmuls' per-group centres moved into a side
     matmul, for symmetric 4-bit block quantizers.
+    rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
+    norms folded, the residual stream, V per head and down_proj's input (online, a
+    constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
+    gptq: {"bits", "group", "symmetric", "integer_zero", "text"}: the decoder projections (with
+    block_centres: the MLP's, the ones a block quantizer takes) rounded by GPTQ onto that
+    grid from the calibration text (``npuforge.models.llama.rounding``), after any
+    rotation and before any split.
     """
     import torch
 
@@ -380,15 +373,29 @@ def export_llama(
             f"kv_prefix {kv_prefix} must be fewer than cache_len ({cache_len}) token ids below "
             f"the vocabulary size ({cfg.vocab_size}); fix the model's export.kv_prefix"
         )
-    # Smoothing needs fp32 activations, the offsets fp32 weights: the model is cast after.
+    if smoothquant and rotate:
+        raise NpuforgeError(
+            "smoothquant and rotate both apply to this precision; a rotation already spreads "
+            "the outliers SmoothQuant moves: keep the precision in one of them"
+        )
+    # Smoothing needs fp32 activations, the offsets and rotations fp32 weights: the model
+    # is cast after.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    load_dtype = torch.float32 if smoothquant or any(split_options.values()) else torch_dtype
-    state_dict = load_state_dict(checkpoint_dir, load_dtype)
+    wide = smoothquant or rotate or gptq or any(split_options.values())
+    state_dict = load_state_dict(checkpoint_dir, torch.float32 if wide else torch_dtype)
     model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes, tanh_silu=tanh_silu)
     del state_dict
-    smoothed = None
+    smoothed = rotated = None
     if smoothquant:
         smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+    if rotate:
+        from npuforge.models.llama.rotation import rotate as rotate_model
+
+        rotated = rotate_model(model, int(rotate["seed"]))
+    rounded = None
+    if gptq:
+        mlp_only = bool(block_centres)
+        rounded = _round(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
     from npuforge.models.llama.group_offsets import split_group_offsets
 
     split = {
@@ -471,6 +478,12 @@ def export_llama(
         if smoothed:
             meta["smoothquant"] = smoothed
             meta["options"]["smoothquant"] = smoothed["alpha"]
+        if rotated:
+            meta["rotation"] = rotated
+            meta["options"]["rotate"] = rotated["seed"]
+        if rounded:
+            meta["gptq"] = rounded
+            meta["options"]["gptq"] = rounded["grid"]
         for option, record in split.items():
             meta[option] = record
             meta["options"][option] = record["group"]

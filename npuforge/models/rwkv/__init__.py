@@ -41,6 +41,12 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
                 f"{option} is a llama export option (it splits a transformer's projections): "
                 "remove it from the RWKV model's export"
             )
+    for option in ("rotate", "gptq"):
+        if export.get(option):
+            raise NpuforgeError(
+                f"{option} is a llama export option (it rewrites a transformer's "
+                "projections): remove it from the RWKV model's export"
+            )
     return {
         "fp16_fixes": bool(export.get("fp16_fixes", True)),
         "last_token_logits": bool(export.get("last_token_logits", False)),

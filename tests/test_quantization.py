@@ -1,0 +1,501 @@
+"""Quantization fixtures and levers: the permuted twin, exact rotations, GPTQ rounding."""
+
+import json
+
+import numpy as np
+import pytest
+from llama_fixtures import TINY_CONFIGS, make_checkpoint, make_q4_1_checkpoint, reference_logits
+
+from npuforge.errors import NpuforgeError
+from npuforge.models.llama import permute
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant_ckpt")
+    return {kind: make_checkpoint(kind, root / kind, seed=i) for i, kind in enumerate(TINY_CONFIGS)}
+
+
+def _tensors(directory):
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2", "qwen3"])
+def test_permuted_twin_computes_the_same_logits_from_other_weights(checkpoints, tmp_path, kind):
+    """GQA with an untied lm_head (llama), q/k/v biases (qwen2), a tied lm_head (smollm2)
+    and q/k norms (qwen3): transformers gives the twin's logits within float32 rounding,
+    and every tensor a permutation reaches has changed."""
+    source = checkpoints[kind]
+    record = permute.permute_checkpoint(source, tmp_path / "twin", seed=3)
+    ids = np.random.default_rng(1).integers(0, TINY_CONFIGS[kind]["vocab_size"], (2, 24))
+    want, got = reference_logits(source, ids), reference_logits(tmp_path / "twin", ids)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    before, after = _tensors(source), _tensors(tmp_path / "twin")
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        # RoPE pairs positions within a head: q/k rows (and a Qwen3 q/k norm) stay.
+        stays = any(part in name for part in ("q_proj.bias", "k_proj.bias", "q_norm", "k_norm"))
+        moved = not np.array_equal(value, after[name])
+        assert moved != stays, name
+        assert np.array_equal(np.sort(value, axis=None), np.sort(after[name], axis=None)), name
+    assert (
+        record["seed"] == 3
+        and record["permutations"]["ffn"] == TINY_CONFIGS[kind]["num_hidden_layers"]
+    )
+    config = json.loads((tmp_path / "twin" / "config.json").read_text())
+    assert config == json.loads((source / "config.json").read_text())
+
+
+def test_permuted_twin_of_a_q4_1_checkpoint_leaves_its_grid(tmp_path):
+    """The point of the twin: a dequantized Q4_1 checkpoint's projections lie on a 4-bit
+    grid, the twin's on none (here groups of 8: o_proj's columns move within a head of
+    16, and a group holding whole heads would keep its values); the same seed gives the
+    same bytes."""
+    import torch
+
+    from npuforge.models.llama.group_offsets import on_grid
+
+    group = 8
+    source = make_q4_1_checkpoint("llama", tmp_path / "ckpt", group=group)
+    permute.permute_checkpoint(source, tmp_path / "a", seed=0)
+    permute.permute_checkpoint(source, tmp_path / "b", seed=0)
+    permute.permute_checkpoint(source, tmp_path / "c", seed=1)
+    original, twin = _tensors(source), _tensors(tmp_path / "a")
+    projections = [name for name in original if name.endswith("_proj.weight")]
+    assert all(on_grid(torch.from_numpy(original[name]), group) for name in projections)
+    assert not any(on_grid(torch.from_numpy(twin[name]), group) for name in projections)
+    same = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert same == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert same != (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
+def test_write_twin_checks_its_pin_and_leaves_nothing_behind(checkpoints, tmp_path):
+    source = {"permuted": {"model": "m", "seed": 0}}
+    record = permute.write_twin(
+        checkpoints["smollm2"], source, None, tmp_path / "twin", tmp_path / "twin.json"
+    )
+    assert json.loads((tmp_path / "twin.json").read_text()) == record
+    assert record["source"] == source and len(record["sha256"]) == 64
+    assert (tmp_path / "twin" / "permutation.json").is_file()
+    with pytest.raises(NpuforgeError, match="hashes to .* the registry pins 0000") as err:
+        permute.write_twin(
+            checkpoints["smollm2"], source, "0" * 64, tmp_path / "x", tmp_path / "x.json"
+        )
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.json").exists()
+    permute.write_twin(checkpoints["smollm2"], source, record["sha256"], tmp_path / "y",
+                       tmp_path / "y.json")  # fmt: skip
+
+
+def test_hadamard_orders_are_hadamard_and_cover_the_families_sizes():
+    import math
+
+    from npuforge import hadamard
+
+    built = [n for n in range(1, 260) if hadamard.has_hadamard(n)]
+    for n in built:
+        h = hadamard.hadamard(n)
+        assert set(np.unique(h)) <= {-1, 1} and np.array_equal(h @ h.T, n * np.eye(n)), n
+    # Every multiple of 4 below 52 (52 needs Paley over 25, a prime power).
+    assert [n for n in range(4, 52, 4) if n not in built] == []
+    assert not hadamard.has_hadamard(6) and not hadamard.has_hadamard(52)
+    # SmolLM2 (576, 1536, head_dim 64), Qwen2-0.5B (896, 4864), Qwen3-0.6B (1024, 3072).
+    for n in (576, 1536, 64, 896, 4864, 1024, 3072):
+        assert hadamard.has_hadamard(n), n
+    a, b = hadamard.kronecker_split(1536)
+    assert a * b == 1536 and hadamard.has_hadamard(a) and hadamard.has_hadamard(b)
+    assert a + b < 2 * math.isqrt(1536) + 20
+    with pytest.raises(NpuforgeError, match="no Hadamard matrix of order 6 is built here") as err:
+        hadamard.hadamard(6)
+    assert "\n" not in str(err.value)
+    rng = np.random.default_rng(0)
+    for n, kind in ((48, "hadamard"), (6, "random orthogonal"), (52, "random orthogonal")):
+        matrix, got = hadamard.orthogonal(n, rng)
+        assert got == kind and np.allclose(matrix @ matrix.T, np.eye(n), atol=1e-12)
+
+
+ROTATION_CASES = [
+    # (kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha)
+    ("llama", 2, False, (), False, True),  # GQA, untied lm_head, the MHA->SHA pass
+    ("qwen2", 1, True, (), True, False),  # q/k/v biases
+    ("smollm2", 2, True, (1,), True, True),  # tied lm_head, one KV head, a kv_prefix
+    ("qwen3", 1, True, (2, 5), False, False),  # q/k norms, head_dim apart from hidden / heads
+]
+
+
+@pytest.mark.parametrize("kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha", ROTATION_CASES)
+def test_rotated_export_matches_transformers(
+    checkpoints, tmp_path, kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha
+):
+    """A rotated export is the same function: prefill then decode through onnxruntime
+    against transformers (after the kv_prefix, computed at export by the rotated model),
+    with the fp16-safe norm, tanh_silu, chunks and the MHA->SHA pass as given."""
+    import onnx
+
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.runtime import GraphChain
+
+    checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
+    common = dict(
+        dtype="fp32", chunks=chunks, batch=1, cache_len=64, fp16_fixes=fp16_fixes, sha=sha,
+        kv_prefix=kv_prefix, tanh_silu=tanh_silu, rotate={"seed": 4},
+    )  # fmt: skip
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=8, **common
+    )
+    llama_export.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
+    record = prefill["rotation"]
+    assert prefill["options"]["rotate"] == 4 and record["hidden"]["kind"] == "hadamard"
+    ids = np.random.default_rng(2).integers(0, vocab, (1, 40))
+    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
+    got = [chain.step(ids[:, :8])]
+    decode.state, decode.position = chain.state, chain.position
+    got = np.concatenate(got + [decode.step(ids[:, p : p + 1]) for p in range(8, 40)], axis=1)
+    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
+    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # The online rotation runs in every layer's graph, as constant matmuls.
+    layers = TINY_CONFIGS[kind]["num_hidden_layers"]
+    rotations = [
+        node.name
+        for graph in prefill["graphs"]
+        for node in onnx.load(str(tmp_path / "p" / graph["file"])).graph.node
+        if "/mlp/down_rotation/" in node.name and node.op_type == "MatMul"
+    ]
+    assert len(rotations) == 2 * layers
+
+
+def _outlier_checkpoint(source, out):
+    """``source`` with one residual channel 60x the rest after every norm, as trained
+    models have, saved as a checkpoint of its own."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    for layer in model.model.layers:
+        layer.input_layernorm.weight.data[3] *= 60
+        layer.post_attention_layernorm.weight.data[3] *= 60
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "smollm2"])
+def test_rotation_keeps_the_logits_and_spreads_the_outliers(checkpoints, tmp_path, kind):
+    """The rotated model's matmul inputs and weights have no channel far above the rest,
+    where the plain model's q_proj inputs have one; down_proj's input is rotated too."""
+    from npuforge.models.llama import config as llama_config
+    from npuforge.models.llama import model as llama_model
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import rotation, smoothing
+    from npuforge.models.llama import weights as llama_weights
+
+    checkpoint = _outlier_checkpoint(checkpoints[kind], tmp_path / "outlier")
+    cfg = llama_config.load_config(checkpoint)
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoint), 64)
+    vocab = cfg.vocab_size
+    sequences = np.random.default_rng(3).integers(0, vocab, (4, 24)).tolist()
+
+    def run(tokens):
+        return llama_export.run_from_empty_cache(model, [tokens], 64)[0].numpy()
+
+    def spread(ranges, name):
+        return float(ranges[name].max() / ranges[name].median())
+
+    before = run(sequences[0])
+    plain = smoothing.activation_ranges(model, sequences, [], 64, run)
+    block = model.layers[0]
+    folded = (block.mlp.gate_proj.weight * block.post_attention_layernorm.weight).detach()
+    weight_spread = float(folded.abs().amax(0).max() / folded.abs().amax(0).median())
+    record = rotation.rotate(model, seed=0)
+    rotated = smoothing.activation_ranges(model, sequences, [], 64, run)
+    after = run(sequences[0])
+    assert np.abs(after - before).max() <= 1e-5 * np.abs(before).max()
+    for name in ("layers.0.self_attn.q_proj", "layers.1.mlp.gate_proj"):
+        assert spread(plain, name) > 10 and spread(rotated, name) < 4, name
+    # The norm's outlier folded into the weights is spread over every input column too.
+    columns = model.layers[0].mlp.gate_proj.weight.detach().abs().amax(0)
+    assert float(columns.max() / columns.median()) < 3 and weight_spread > 10
+    assert record["down_proj_input"]["factors"][0] * record["down_proj_input"]["factors"][1] == (
+        cfg.intermediate_size
+    )
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+
+
+def test_rotate_is_a_per_precision_export_option_refused_beside_smoothquant():
+    from npuforge.models import llama
+
+    model = {"context_length": 64}
+    export = {"rotate": {"w8a8": 7, "a16w4": 0}, "smoothquant": {"a16w8": 0.5}}
+    assert llama.export_options(model, export, "w8a8")["rotate"] == {"seed": 7}
+    assert "rotate" not in llama.export_options(model, export, "fp16")
+    export["smoothquant"]["w8a8"] = 0.5
+    with pytest.raises(NpuforgeError, match="smoothquant and export.rotate both name w8a8"):
+        llama.export_options(model, export, "w8a8")
+
+
+def _correlated_problem(seed, rows, columns, samples=200):
+    """A weight and the Hessian X^T X of correlated inputs X."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    mix = np.eye(columns) + 0.3 * rng.standard_normal((columns, columns))
+    x = rng.standard_normal((samples, columns)) @ mix
+    return torch.from_numpy(rng.standard_normal((rows, columns))), torch.from_numpy(x.T @ x)
+
+
+def _greedy_obs(w, h, bits, group, symmetric, damp, act_order=False, integer_zero=False):
+    """An independent GPTQ: round the columns one by one (left to right, or by falling
+    diag(H)); after each, move its error onto the columns left by the exact inverse of
+    their own sub-Hessian (OBS), row by row. Grids as the module's: drawn from the row
+    (group) when its first column comes (with act_order: from the weights as given),
+    extremes pinned to the end levels."""
+    w, h = np.array(w, dtype=np.float64), np.array(h, dtype=np.float64)
+    h = h + damp * np.mean(np.diag(h)) * np.eye(len(h))
+    rows, columns = w.shape
+    width = group or columns
+    order = list(range(columns))
+    if act_order:
+        order = [int(i) for i in np.argsort(-np.diag(h), kind="stable")]
+
+    def span_of(values, first):
+        if symmetric:
+            top = 2 ** (bits - 1) - 1
+            at = int(np.abs(values).argmax())
+            pins = {first + at: -top if values[at] < 0 else top}
+            return -top, top, 0.0, np.abs(values).max() / top, pins
+        top = 2**bits - 1
+        if integer_zero:  # the range holds 0, which lies on a level
+            low, high = min(values.min(), 0.0), max(values.max(), 0.0)
+            step = (high - low) / top
+            pins = {first + int(values.argmin()): 0} if values.min() < 0 else {}
+            if values.max() > 0:
+                pins[first + int(values.argmax())] = top
+            return 0, top, -np.round(-low / step) * step, step, pins
+        pins = {first + int(values.argmin()): 0, first + int(values.argmax()): top}
+        return 0, top, values.min(), (values.max() - values.min()) / top, pins
+
+    out = np.zeros_like(w)
+    for r in range(rows):
+        row, spans = w[r].copy(), {}
+        if act_order:
+            spans = {g: span_of(row[g : g + width], g) for g in range(0, columns, width)}
+        for k, c in enumerate(order):
+            first = c - c % width
+            if not act_order and c == first:
+                spans[first] = span_of(row[first : first + width], first)
+            low, high, offset, step, pins = spans[first]
+            level = pins.get(c, np.clip(np.round((row[c] - offset) / step), low, high))
+            out[r, c] = offset + level * step
+            rest = order[k:]
+            inverse = np.linalg.inv(h[np.ix_(rest, rest)])
+            row[rest] -= (row[c] - out[r, c]) / inverse[0, 0] * inverse[0]
+    return out
+
+
+@pytest.mark.parametrize(
+    "bits, group, symmetric, act_order, integer_zero",
+    [(4, None, False, False, False), (4, 8, False, False, False), (3, None, True, False, False),
+     (8, 8, True, False, False), (4, 8, False, True, False), (8, None, True, True, False),
+     (8, None, False, False, True), (4, 8, False, True, True)],
+)  # fmt: skip
+def test_gptq_is_the_obs_update_column_by_column(bits, group, symmetric, act_order, integer_zero):
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest, rounding_loss
+
+    w, h = _correlated_problem(0, rows=5, columns=24)
+    if integer_zero:  # rows of one sign too: their zero side has no extreme to pin
+        w[0], w[1] = w[0].abs(), -w[1].abs()
+    grid = WeightGrid(bits, group, symmetric, integer_zero)
+    got = gptq(w, h, grid, damp=0.01, act_order=act_order).numpy()
+    want = _greedy_obs(w.numpy(), h.numpy(), bits, group, symmetric, 0.01, act_order, integer_zero)
+    assert np.abs(got - want).max() < 1e-9
+    nearest = round_to_nearest(w, grid)
+    # On these problems GPTQ's loss is 0.43-0.87 of round-to-nearest's.
+    assert rounding_loss(w, torch.from_numpy(got), h) < 0.9 * rounding_loss(w, nearest, h)
+
+
+def test_gptq_against_the_best_rounding_of_a_tiny_matrix():
+    """2 x 3 weights, 4-bit symmetric per row: an exhaustive search over all 15^3 grid
+    assignments of each row gives the least ||X W^T - X Q^T||. GPTQ's greedy column order
+    is not that optimum; on these problems it lies between it and round-to-nearest, and
+    below round-to-nearest on some."""
+    import itertools
+
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest, rounding_loss
+
+    grid = WeightGrid(4, symmetric=True)
+    levels = torch.tensor(list(itertools.product(range(-7, 8), repeat=3)), dtype=torch.float64)
+    better = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        mix = np.array([[1.0, 0.9, 0.0], [0.0, 0.5, 0.8], [0.0, 0.0, 0.4]])
+        x = rng.standard_normal((32, 3)) @ mix
+        w, h = torch.from_numpy(rng.standard_normal((2, 3))), torch.from_numpy(x.T @ x)
+        best = 0.0
+        for row, step in enumerate(w.abs().amax(1) / 7):
+            delta = w[row][None, :] - levels * step
+            best += float(torch.einsum("ni,ij,nj->n", delta, h, delta).min())
+        rounded = gptq(w, h, grid, damp=0.0)
+        assert round_to_nearest(rounded, grid).equal(rounded)  # on the grid
+        error = rounding_loss(w, rounded, h)
+        nearest = rounding_loss(w, round_to_nearest(w, grid), h)
+        assert best <= error + 1e-12 and error <= nearest + 1e-12
+        better += error < 0.97 * nearest
+    assert better >= 3
+
+
+def test_gptq_with_an_identity_hessian_rounds_to_nearest():
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest
+
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal((6, 64)))
+    for grid in (WeightGrid(4, 32), WeightGrid(8), WeightGrid(4, symmetric=True)):
+        assert gptq(w, torch.eye(64, dtype=torch.float64), grid).equal(round_to_nearest(w, grid))
+
+
+def _tpu_mlir_w4_group(weight, group):
+    """TPU-MLIR's W4F16 group quantizer (A16MatMul's per-group parameters), dequantized:
+    per group, scale max(max - min, 1e-5) / 15, integer zero point clamp(-round(min /
+    scale), 0, 15), levels clamp(round(w / scale) + zp, 0, 15)."""
+    blocks = weight.reshape(-1, group).astype(np.float32)
+    low, high = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
+    scale = np.maximum(high - low, np.float32(1e-5)) / np.float32(15)
+    zero = np.clip(-np.round(low / scale), 0, 15)
+    levels = np.clip(np.round(blocks / scale) + zero, 0, 15)
+    return ((levels - zero) * scale).reshape(weight.shape)
+
+
+def _rknn_w8_channel(weight):
+    """rknn-toolkit2 2.5.0's rk3588 w8a8 weights, dequantized, as measured (docs/
+    quantization.md): per output row, 256 levels over [min(w, 0), max(w, 0)], an integer
+    zero point round(-min / step), round to nearest."""
+    low = np.minimum(weight.min(1, keepdims=True), 0)
+    high = np.maximum(weight.max(1, keepdims=True), 0)
+    step = (high - low) / 255
+    zero = np.round(-low / step)
+    return (np.clip(np.round(weight / step) + zero, 0, 255) - zero) * step
+
+
+def test_gptq_weights_survive_each_backends_own_rounding():
+    """What each backend does to an export of GPTQ's weights: QNN's per-channel int8
+    (onnxruntime's symmetric quantizer) and its int4 blocks of a block_centres export
+    (the QNN job's block_steps), TPU-MLIR's W4F16 groups of a group_offsets export. Each
+    gives back GPTQ's weights (to float32 rounding)."""
+    import onnx
+    import torch
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    from npuforge.jobs import qnn_job
+    from npuforge.models.llama.group_offsets import GroupOffsetLinear
+    from npuforge.quantization import WeightGrid, gptq
+
+    w, h = _correlated_problem(2, rows=16, columns=128)
+
+    def requantized_rows(weight):
+        moved = 0
+        for row in weight:
+            zero, scale, steps = quantize_data(row, onnx.TensorProto.INT8, symmetric=True)
+            moved += zero != 0 or np.abs(steps * scale - row).max() > 1e-6 * np.abs(row).max()
+        return moved
+
+    grid = WeightGrid(8, symmetric=True)
+    assert requantized_rows(gptq(w, h, grid).float().numpy()) == 0
+    # The same without the pins: the feedback moved some rows' largest weight off its
+    # end level, so onnxruntime derives another scale and rounds the row again.
+    assert requantized_rows(gptq(w, h, grid, pin=False).float().numpy()) > 0
+
+    # RKNN's per-channel int8 (and onnxruntime's asymmetric uint8, the same derivation).
+    w[0], w[1] = w[0].abs(), -w[1].abs()
+    grid = WeightGrid(8, integer_zero=True)
+    rknn = gptq(w, h, grid).numpy()
+    assert np.abs(_rknn_w8_channel(rknn) - rknn).max() <= 1e-9 * np.abs(rknn).max()
+    zero, scale, steps = quantize_data(rknn[2], onnx.TensorProto.UINT8, symmetric=False)
+    assert np.abs((steps.astype(np.float64) - zero) * scale - rknn[2]).max() < 1e-6
+    loose = gptq(w, h, grid, pin=False).numpy()
+    assert np.abs(_rknn_w8_channel(loose) - loose).max() > 1e-3 * np.abs(loose).max()
+
+    four = gptq(w, h, WeightGrid(4, 32)).float()
+    for centred in (False, True):
+        linear = torch.nn.Linear(128, 16, bias=False)
+        linear.weight.data = four.clone()
+        split = GroupOffsetLinear(linear, 32, centred=centred)
+        main = split.weight.detach().numpy()
+        if centred:  # QNN: signed int4 blocks of 32 inputs per output column, [in, out]
+            steps, scale = qnn_job.block_steps(main.T, 32, 4)
+            back = (steps.reshape(4, 32, 16) * scale[:, None, :]).reshape(128, 16).T
+        else:  # TPU-MLIR: each group's minimum moved out, so its zero point is 0
+            back = _tpu_mlir_w4_group(main, 32)
+        assert np.abs(back - main).max() <= 1e-5 * np.abs(main).max()
+
+
+def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tmp_path):
+    """gptq with group_offsets of the same group (TPU-MLIR W4F16), after a rotation:
+    every projection lies on a 4-bit grid of its groups, which the group_offsets record
+    counts; with block_centres (QNN int4 blocks) only the MLP is rounded; 8-bit per
+    channel survives onnxruntime's symmetric int8; the record names grid and text."""
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    from npuforge.models.llama import onnx_export as llama_export
+
+    checkpoint, layers = checkpoints["smollm2"], TINY_CONFIGS["smollm2"]["num_hidden_layers"]
+    common = dict(variant="decode", dtype="fp32", cache_len=64, fp16_fixes=True, kv_prefix=[1])
+    # A short text (bytes as tokens: this checkpoint has no tokenizer) keeps the test quick.
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper writes three lines in the logbook every evening. " * 6)
+    four = {"bits": 4, "group": 16, "symmetric": False, "text": str(text)}
+    meta = llama_export.export_llama(
+        checkpoint, tmp_path / "g", rotate={"seed": 0}, gptq=four, group_offsets={"group": 16},
+        **common,
+    )  # fmt: skip
+    assert meta["group_offsets"] == {"group": 16, "matmuls": 7 * layers, "on_4bit_grid": 7 * layers}
+    assert meta["gptq"]["grid"] == "4-bit asymmetric, groups of 16"
+    assert meta["gptq"]["text"]["tokenizer"]["kind"] == "bytes" and meta["rotation"]
+    plain = llama_export.export_llama(
+        checkpoint, tmp_path / "p", rotate={"seed": 0}, group_offsets={"group": 16}, **common
+    )
+    assert plain["group_offsets"]["on_4bit_grid"] == 0
+
+    meta = llama_export.export_llama(
+        checkpoint, tmp_path / "b", gptq=four, block_centres={"group": 16}, **common
+    )
+    assert meta["gptq"]["projections"] == ["down_proj", "gate_proj", "up_proj"]
+    assert meta["block_centres"]["on_4bit_grid"] == 3 * layers
+
+    eight = {"bits": 8, "symmetric": True, "text": str(text)}
+    meta = llama_export.export_llama(checkpoint, tmp_path / "e", gptq=eight, **common)
+    graph = onnx.load(str(tmp_path / "e" / meta["graphs"][0]["file"])).graph
+    weights = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    projections = [name for name in weights if name.endswith("_proj.weight_t")]
+    assert len(projections) == 7 * layers
+    for name in projections:
+        for column in weights[name].T:  # [in, out]: one output channel per column
+            zero, scale, steps = quantize_data(column, onnx.TensorProto.INT8, symmetric=True)
+            assert np.abs(steps * scale - column).max() <= 1e-6 * np.abs(column).max(), name
+
+
+def test_gptq_option_matches_its_grid_to_the_export_split():
+    from npuforge.models import llama
+
+    model = {"context_length": 64}
+    export = {"gptq": {"w4f16": {"bits": 4, "group": 32}}, "group_offsets": {"w4f16": 32}}
+    got = llama.export_options(model, export, "w4f16")["gptq"]
+    assert got == {"bits": 4, "group": 32, "symmetric": False}
+    export["group_offsets"]["w4f16"] = 64
+    with pytest.raises(NpuforgeError, match="splits groups of 64: give gptq"):
+        llama.export_options(model, export, "w4f16")
+    export = {"gptq": {"a16w8": {"bits": 8}, "a16w4": {"bits": 4}}}
+    assert llama.export_options(model, export, "a16w8")["gptq"]["symmetric"] is True
+    with pytest.raises(NpuforgeError, match="give a group"):
+        llama.export_options(model, export, "a16w4")
+    export = {"gptq": {"w8a8": {"bits": 8, "symmetric": False, "integer_zero": True}}}
+    assert llama.export_options(model, export, "w8a8")["gptq"]["integer_zero"] is True
+    export["gptq"]["w8a8"]["symmetric"] = True
+    with pytest.raises(NpuforgeError, match="integer_zero is an asymmetric grid"):
+        llama.export_options(model, export, "w8a8")
