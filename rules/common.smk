@@ -193,7 +193,10 @@ def export_options_json(model, key):
         if option in options:
             # Its scales (roundings) come from the calibration text: name it, and an
             # edit re-exports.
-            text = {"text": calibration_text(), "text_sha256": calibration_text_digest()}
+            text = {
+                "text": calibration_text(),
+                "text_sha256": calibration_text_digest(),
+            }
             options = dict(options, **{option: {**options[option], **text}})
     return as_json(options)
 

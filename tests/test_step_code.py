@@ -252,6 +252,7 @@ STEP_PICKS = {
     "release_report": [("no backend", "no family")],
     "docs_data": [("no backend", "no family")],
     "make_synthetic_checkpoint": [()],
+    "permute_checkpoint": [("family",)],
 }
 RUNTIME_PROBE = """
 import importlib.util, json, sys
