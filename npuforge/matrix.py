@@ -332,7 +332,9 @@ def check_batch(models: dict, targets: dict, builds) -> None:
 
 
 # Export options that map precisions to values: each such precision gets its own export.
-PER_PRECISION_EXPORT = ("smoothquant", "group_offsets", "block_centres", "tanh_silu")
+PER_PRECISION_EXPORT = (
+    "smoothquant", "group_offsets", "block_centres", "tanh_silu", "rotate", "gptq",
+)  # fmt: skip
 
 
 def check_per_precision_export(models: dict, targets: dict, builds) -> None:

@@ -503,7 +503,14 @@ def test_a_llama_export_option_on_an_rwkv_model_is_refused_in_one_line(option, v
 
 
 @pytest.mark.parametrize(
-    "option, value", [("smoothquant", 0.5), ("group_offsets", 32), ("block_centres", 32)]
+    "option, value",
+    [
+        ("smoothquant", 0.5),
+        ("group_offsets", 32),
+        ("block_centres", 32),
+        ("rotate", 7),
+        ("gptq", {"bits": 8}),
+    ],
 )
 def test_a_per_precision_export_option_for_a_precision_no_target_builds_is_refused(option, value):
     smollm2 = dict(MODELS["smollm2-135m"], export={option: {"w8a9": value}})
