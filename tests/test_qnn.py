@@ -6,7 +6,9 @@ results/toolchains/) on a tiny 2-chunk RWKV-shaped graph.
 """
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -358,6 +360,28 @@ def test_row_matmuls_of_two_activations_become_mul_reducesum():
     after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
     for a, b in zip(before, after, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_calibrated_bounds_snap_outward_onto_a_grid_their_last_bits_cannot_move():
+    snap, bits = qnn_quantizer.snap_outward, qnn_quantizer.RANGE_BITS
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(3000) * 10.0 ** rng.integers(-15, 6, 3000)
+    for value in [0.0, 1.0, -0.5, 15.0, *values.astype(np.float32).tolist()]:
+        low, high = snap(value, up=False), snap(value, up=True)
+        assert low <= value <= high
+        # At most one step of bits significant bits outward: under 1/8 of |value| at 4.
+        assert high - low <= abs(value) * 2.0 ** (1 - bits)
+        for bound in (low, high):
+            assert float(np.float32(bound)) == bound
+            assert (math.frexp(abs(bound))[0] * 2**bits).is_integer()
+            assert snap(bound, up=False) == bound == snap(bound, up=True)
+        # A bound off the grid keeps its snapped value when its last bit moves.
+        if low < value < high:
+            for moved in (np.nextafter(np.float32(value), np.float32(np.inf)),
+                          np.nextafter(np.float32(value), np.float32(-np.inf))):  # fmt: skip
+                moved = float(moved)
+                if low < moved < high:
+                    assert (snap(moved, up=False), snap(moved, up=True)) == (low, high)
 
 
 def test_the_quantizer_runs_on_the_onnxruntime_its_lock_pins():
@@ -808,6 +832,8 @@ import qnn_quantizer
 args = json.loads(sys.argv[2])
 if args.pop("plain", False):
     qnn_quantizer._quantizer_without_quadratic_scans = lambda: None
+if args.pop("unsnapped", False):
+    qnn_quantizer._snap_measured = lambda measured: None
 if args.pop("calibrate_twice", False):
     once = qnn_quantizer._quantize
     qnn_quantizer._quantize = lambda model, target, config, measured, work: once(
@@ -1177,11 +1203,12 @@ def test_a_weight_pattern_that_is_no_regex_is_refused(field):
     assert "\n" not in str(err.value)
 
 
-def quantize_in_toolchain(python, args) -> tuple[str, dict]:
-    """Run QUANTIZE_SCRIPT in the toolchain's Python: (its stdout, {file: bytes} of the
-    QDQ model and the preprocessed graph it read)."""
+def quantize_in_toolchain(python, args, prefix=()) -> tuple[str, dict]:
+    """Run QUANTIZE_SCRIPT in the toolchain's Python (behind ``prefix``, e.g. an
+    emulator): (its stdout, {file: bytes} of the QDQ model and the preprocessed graph it
+    read)."""
     run = subprocess.run(
-        [python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
+        [*prefix, python, "-c", QUANTIZE_SCRIPT, str(REPO / "npuforge" / "jobs"), json.dumps(args)],
         capture_output=True,
         text=True,
     )
@@ -1246,3 +1273,78 @@ def test_ranges_measured_once_write_the_same_qdq_model(qnn_stamp, workspace, tmp
         assert not (target.parent / "measured_ranges.json").exists()
     assert reads == {True: 2 * len(samples), False: len(samples)}
     assert "qdq.onnx" in written[True] and written[True] == written[False]
+
+
+def _quantize_args(workspace, target, samples=None, **extra) -> dict:
+    """The job's quantization of the workspace's chunk 1 with SM8650's range settings."""
+    graph = json.loads((workspace["export"] / "export.json").read_text())["graphs"][1]
+    return {
+        "source": str(workspace["export"] / graph["file"]),
+        "target": str(target),
+        "precision": "a16w8",
+        "samples": samples or qnn_spec.calibration_samples(workspace["calibration"], 1),
+        "inputs": graph["inputs"],
+        # The state path reads its ranges from the quantizer's calibration cache.
+        "keep_16bit_tensors": qnn_spec.keep_16bit_tensors(graph),
+        "range_margin": qnn_spec.RANGE_MARGIN,
+        "cover_stream": True,
+        **extra,
+    }
+
+
+@pytest.mark.toolchain
+def test_a_last_bit_difference_in_the_samples_leaves_the_qdq_model_as_it_was(
+    qnn_stamp, workspace, tmp_path
+):
+    """The same samples captured on another host differ in their last bits, and the job's
+    own calibration run differs there too: onnxruntime's and torch's CPU kernels take other
+    paths per instruction set (docs/backends/qnn.md, "Reproducibility across hosts"). Every
+    16-bit scale followed them, and so did the simulator's figures. With the measured
+    min/max snapped to RANGE_BITS significant bits, samples one float step apart write
+    the same Q/DQ model; unsnapped (the control) they do not."""
+    python = json.loads(qnn_stamp.read_text())["python"]
+    samples = qnn_spec.calibration_samples(workspace["calibration"], 1)
+    nudged = []
+    (tmp_path / "nudged").mkdir()
+    for number, sample in enumerate(samples):
+        moved = {}
+        for name, path in sample.items():
+            with np.load(path) as data:
+                value = data[name]
+            moved[name] = str(tmp_path / "nudged" / f"sample{number}-{name}.npz")
+            np.savez(moved[name], **{name: np.nextafter(value, np.float32(np.inf))})
+        nudged.append(moved)
+    written = {}
+    for unsnapped in (True, False):
+        for label, chosen in (("captured", samples), ("nudged", nudged)):
+            target = tmp_path / f"{label}-{'raw' if unsnapped else 'snapped'}" / "qdq.onnx"
+            args = _quantize_args(workspace, target, chosen, unsnapped=unsnapped)
+            written[label, unsnapped] = quantize_in_toolchain(python, args)[1]["qdq.onnx"]
+    assert written["captured", True] != written["nudged", True]
+    assert written["captured", False] == written["nudged", False]
+
+
+# SSE4.2 without AVX or FMA: onnxruntime's float kernels (MLAS) take other paths there than
+# on any host with AVX2, and qemu-user emulates it on any x86-64 host.
+OTHER_CPU = "Nehalem"
+
+
+@pytest.mark.toolchain
+def test_the_qdq_model_is_the_same_when_the_calibration_runs_on_another_instruction_set(
+    qnn_stamp, workspace, tmp_path
+):
+    """The job's calibration run on an emulated CPU of another instruction set: its ranges
+    differ in their last bits (the control, unsnapped, writes another Q/DQ model), and the
+    snapped ones write the same Q/DQ model as this host's."""
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        pytest.skip("no qemu-x86_64 here to emulate another CPU: envs/base/setup-qemu.sh")
+    python = json.loads(qnn_stamp.read_text())["python"]
+    written = {}
+    for unsnapped in (True, False):
+        for host, prefix in (("here", ()), ("other", (qemu, "-cpu", OTHER_CPU))):
+            target = tmp_path / f"{host}-{'raw' if unsnapped else 'snapped'}" / "qdq.onnx"
+            args = _quantize_args(workspace, target, unsnapped=unsnapped)
+            written[host, unsnapped] = quantize_in_toolchain(python, args, prefix)[1]["qdq.onnx"]
+    assert written["here", True] != written["other", True]
+    assert written["here", False] == written["other", False]
