@@ -384,13 +384,13 @@ def _rknn_w8_channel(weight):
 def test_gptq_weights_survive_each_backends_own_rounding():
     """What each backend does to an export of GPTQ's weights: QNN's per-channel int8
     (onnxruntime's symmetric quantizer) and its int4 blocks of a block_centres export
-    (the QNN job's block_steps), TPU-MLIR's W4F16 groups of a group_offsets export. Each
+    (the QNN quantizer's block_steps), TPU-MLIR's W4F16 groups of a group_offsets export. Each
     gives back GPTQ's weights (to float32 rounding)."""
     import onnx
     import torch
     from onnxruntime.quantization.quant_utils import quantize_data
 
-    from npuforge.jobs import qnn_job
+    from npuforge.jobs import qnn_quantizer
     from npuforge.models.llama.group_offsets import GroupOffsetLinear
     from npuforge.quantization import WeightGrid, gptq
 
@@ -426,7 +426,7 @@ def test_gptq_weights_survive_each_backends_own_rounding():
         split = GroupOffsetLinear(linear, 32, centred=centred)
         main = split.weight.detach().numpy()
         if centred:  # QNN: signed int4 blocks of 32 inputs per output column, [in, out]
-            steps, scale = qnn_job.block_steps(main.T, 32, 4)
+            steps, scale = qnn_quantizer.block_steps(main.T, 32, 4)
             back = (steps.reshape(4, 32, 16) * scale[:, None, :]).reshape(128, 16).T
         else:  # TPU-MLIR: each group's minimum moved out, so its zero point is 0
             back = _tpu_mlir_w4_group(main, 32)
