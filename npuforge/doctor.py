@@ -37,7 +37,7 @@ def configured_runtime(repo_root=None) -> str:
         return "native"
 
 
-def _target_options(backend: str, repo_root=None) -> dict:
+def target_options(backend: str, repo_root=None) -> dict:
     """Options of the first registered target of this backend: backend checks need them."""
     registry = Path(repo_root or REPO_ROOT) / "config" / "targets.yaml"
     try:
@@ -56,7 +56,7 @@ def _unavailable(backend: str, runtime: str, repo_root=None) -> str | None:
     try:
         from npuforge import toolchain
 
-        options = _target_options(backend, repo_root)
+        options = target_options(backend, repo_root)
         return toolchain.unavailable_reason(backend, runtime, options)
     except Exception as err:  # a half-written backend module must not break the doctor
         return f"backend check raised {type(err).__name__}: {err}"

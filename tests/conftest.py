@@ -113,7 +113,81 @@ def rknn_stamp(scratch: Path, built_at: Path | None = None) -> tuple[Path | None
     return stamp, ""
 
 
+# pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) runs each group on one
+# worker. Every test that runs a vendor compiler or simulator is in one group, so they run
+# one after another: two simulators side by side fight for 2 cores (earlier runs measured
+# calls 4x slower), and the vendor builds several tests share are made once per run. The
+# other tests go by module, so a module's fixtures are built on one worker.
+VENDOR_GROUP = "vendor-toolchains"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        vendor = item.get_closest_marker("toolchain") is not None
+        group = VENDOR_GROUP if vendor else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def workflow(tmp_path) -> Path:
     """A private copy of the workflow to run snakemake in."""
     return copy_workflow(tmp_path / "wf")
+
+
+# --------------------------------------------------------------- builds tests share
+# Each vendor build several tests assert on is made once per run (session fixtures, on
+# the vendor worker); a test that rebuilds does so only because rebuilding is what it
+# checks. They skip, with the reason, where the toolchain cannot run.
+
+
+def _unavailable(backend, runtime, target):
+    import yaml
+
+    from npuforge import toolchain
+
+    targets = yaml.safe_load((REPO / "config" / "targets.yaml").read_text())
+    return toolchain.unavailable_reason(backend, runtime, targets[target]["options"])
+
+
+# The demo model for one SoC of each vendor, in the toolchain images, in one run.
+PODMAN_SELECTION = (
+    "--config", "target=RK3588,SM8650,BM1688", "precision=fp16,f16", "toolchain_runtime=podman",
+)  # fmt: skip
+PODMAN_TOOLCHAINS = (("rknn", "RK3588"), ("qnn", "SM8650"), ("tpumlir", "BM1688"))
+
+
+def podman_build_env() -> dict:
+    # The build time model_tool writes into a bmodel is pinned (to the epoch by default).
+    return script_env(SOURCE_DATE_EPOCH=None)
+
+
+@pytest.fixture(scope="session")
+def podman_release(tmp_path_factory) -> Path:
+    """A workflow that built the demo for RK3588 fp16, SM8650 fp16 and BM1688 f16 in the
+    machine's toolchain images (building any image it lacks)."""
+    for backend, target in PODMAN_TOOLCHAINS:
+        reason = _unavailable(backend, "podman", target)
+        if reason:
+            pytest.skip(f"{backend} in podman: {reason}")
+    workflow = copy_workflow(tmp_path_factory.mktemp("podman") / "wf")
+    snakemake(workflow, *PODMAN_SELECTION, check=True, env=podman_build_env())
+    return workflow
+
+
+@pytest.fixture(scope="session")
+def native_sm8650_release(tmp_path_factory) -> Path:
+    """A workflow that built the demo for SM8650 (fp16 and a16w8) in the native QNN venv."""
+    reason = _unavailable("qnn", "native", "SM8650")
+    if reason:
+        pytest.skip(f"qnn native: {reason}")
+    workflow = copy_workflow(tmp_path_factory.mktemp("sm8650") / "wf")
+    snakemake(workflow, "--config", "target=SM8650", check=True)
+    return workflow
+
+
+@pytest.fixture(scope="session")
+def smollm2_workflow(tmp_path_factory) -> Path:
+    """One workflow for the trained-model builds: they share its download, dequantized
+    checkpoint, tokenizer and held-out text."""
+    return copy_workflow(tmp_path_factory.mktemp("smollm2") / "wf")

@@ -553,7 +553,13 @@ def results_files(results: Path) -> set:
     }
 
 
-@pytest.mark.parametrize("name", sorted(RUN_CASES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.toolchain] if case.get("needs_rknn") else [])
+        for name, case in sorted(RUN_CASES.items())
+    ],
+)
 def test_bad_input_found_by_a_job_is_one_clean_line(name, workflow, tmp_path):
     case = RUN_CASES[name]
     tmp = tmp_path / "inputs"

@@ -343,8 +343,9 @@ QNN_NATIVE = toolchain.unavailable_reason("qnn", "native", {"htp_arch": 75, "soc
 
 
 @pytest.fixture(scope="module")
-def sm8650_fp16(results, tmp_path_factory):
-    build(results, tmp_path_factory, "target=SM8650", "precision=fp16")
+def sm8650_fp16(native_sm8650_release):
+    """The run's native SM8650 build of the demo (conftest.py), fp16 among its precisions."""
+    results = native_sm8650_release / "results"
     stamp = toolchain.read_stamp(results / "toolchains" / "qnn-native.json")
     return results, stamp
 

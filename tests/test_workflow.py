@@ -523,6 +523,8 @@ def test_llama_onnx_build_verifies_and_bundles(workflow):
     assert (bundle.parent / "fp32.tar.gz").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.toolchain
 def test_llama_rk3588_fp16_build_verifies_and_bundles(workflow, tmp_path):
     stamp, reason = rknn_stamp(tmp_path)
     if stamp is None:
