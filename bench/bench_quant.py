@@ -10,15 +10,28 @@ on) after the kv_prefix <|im_start|>, every decoder matmul's weights fake-quanti
   levers  round to nearest; rotation (npuforge.models.llama.rotation); GPTQ
           (npuforge.models.llama.rounding, on the project's calibration text);
           rotation then GPTQ
-  w8a8    the 8-bit weights plus every decoder matmul's input fake-quantized to 8 bits
-          per tensor, ranges from the calibration text (the kv_prefix position stays fp32,
-          as the export computes its cache), with and without rotation
+  w8a8    8-bit weights on RKNN's grid (asymmetric per output channel, zero on a level)
+          plus every decoder matmul's input at 8 bits per tensor (zero on a level, as
+          every backend's activation quantizer has it), ranges from the calibration
+          samples the builds take (the registry's calibration plan: decode calls at
+          seeded positions of the calibration text, each call's input only)
+  w8a8-rk3588  the same, quantizing only what the registry's RK3588 w8a8 quantizes (the
+          projections its float16 option does not name: q/k/v and gate/up)
+
+Every row mirrors a build: the kv_prefix <|im_start|> never runs through the quantized
+model; its cache comes from the model as the export writes it (fp32 weights, GPTQ's once
+rounded), and the held-out text and calibration samples run from that cache.
 
 Figures as the compile steps' gates judge them (npuforge.backends.base.fidelity): top-1
 agreement with fp32 and the change of the text's perplexity.
 
     python bench/bench_quant.py [--positions 96] [--models smollm2-135m,smollm2-135m-permuted]
-                                [--results /tmp/npuforge-bench-quant] [--rows 4bit-g32,...]
+                                [--results /tmp/npuforge-bench-quant] [--rows 4bit-g32:gptq,...]
+                                [--record docs/data/benches.yaml]
+
+--record writes one row per table row (family quantization_levers, the table of
+docs/quantization.md) into the docs' data (npuforge.measurements), replacing the rows of
+an earlier run.
 
 The checkpoints are made by the workflow (fetch, dequantize, permute) into --results.
 """
@@ -35,6 +48,9 @@ sys.path.insert(0, str(REPO))
 
 PREFIX = [1]  # <|im_start|>, the registry's kv_prefix for SmolLM2
 ROTATION_SEED = 0
+# Slots of the KV cache the bench runs with: the prefix, the held-out positions, and a
+# calibration run (the graphs hold 256; unused slots are masked either way).
+CALIBRATION_ROLES = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
 
 
 def checkpoints(args) -> dict:
@@ -62,37 +78,65 @@ def grids():
         "8bit-channel": WeightGrid(8, symmetric=True),
         "4bit-g32": WeightGrid(4, 32),
         "4bit-g64": WeightGrid(4, 64),
+        # RKNN's weight grid (docs/quantization.md, found by experiment on rk3588 w8a8).
+        "w8a8": WeightGrid(8, symmetric=False, integer_zero=True),
+        "w8a8-rk3588": WeightGrid(8, symmetric=False, integer_zero=True),
     }
 
 
-def evaluate(model, ids, reference, activation_ranges=None) -> dict:
-    """fidelity() of ``model`` over PREFIX + ids against ``reference`` logits."""
+def prefix_caches(model, cache_len):
+    """The kv_prefix's cache rows as the export writes them, from ``model`` in fp32."""
+    from npuforge.models.llama.onnx_export import run_from_empty_cache
+
+    return run_from_empty_cache(model, [PREFIX], cache_len)[1]
+
+
+def run_after_prefix(model, caches, tokens):
+    """Logits [T, vocab] of ``model`` over ``tokens`` from the kv_prefix's ``caches``, as
+    a compiled graph runs them (the prefix's slots filled, positions after it)."""
     import torch
 
-    from npuforge.backends.base import fidelity
-    from npuforge.models.llama.onnx_export import run_from_empty_cache
+    from npuforge.models.llama.config import host_inputs
+
+    host = host_inputs(
+        model.cfg,
+        batch=1,
+        tokens=len(tokens),
+        cache_len=caches[0].shape[2],
+        position=len(PREFIX),
+    )
+    roles = (torch.from_numpy(host[r]) for r in CALIBRATION_ROLES)
+    with torch.no_grad():
+        return model(torch.tensor([tokens], dtype=torch.int64), *roles, caches)[0][0]
+
+
+def quantized_inputs(model, ranges):
+    """Forward pre-hooks rounding each ranged projection's input to 8 bits per tensor."""
     from npuforge.quantization import fake_quantize_tensor
 
     hooks = []
-    if activation_ranges:
-        for index, block in enumerate(model.layers):
-            for owner in (block.self_attn, block.mlp):
-                for name, linear in owner.named_children():
-                    key = f"{index}.{name}"
-                    if key not in activation_ranges:
-                        continue
-                    low, high = activation_ranges[key]
+    for index, block in enumerate(model.layers):
+        for owner in (block.self_attn, block.mlp):
+            for name, linear in owner.named_children():
+                if f"{index}.{name}" not in ranges:
+                    continue
+                low, high = ranges[f"{index}.{name}"]
 
-                    def quantize(_module, args, low=low, high=high):
-                        x = args[0]
-                        head = x[:, : len(PREFIX)]
-                        rest = fake_quantize_tensor(x[:, len(PREFIX) :], low, high)
-                        return (torch.cat([head, rest], dim=1),)
+                def quantize(_module, args, low=low, high=high):
+                    return (fake_quantize_tensor(args[0], low, high),)
 
-                    hooks.append(linear.register_forward_pre_hook(quantize))
+                hooks.append(linear.register_forward_pre_hook(quantize))
+    return hooks
+
+
+def evaluate(model, caches, ids, reference, ranges=None):
+    """fidelity() of ``model`` over ``ids`` after the prefix's ``caches`` against
+    ``reference`` logits (None: return the logits)."""
+    from npuforge.backends.base import fidelity
+
+    hooks = quantized_inputs(model, ranges or {})
     try:
-        tokens = [*PREFIX, *ids]
-        logits = run_from_empty_cache(model, [tokens], len(tokens))[0][0, len(PREFIX) :].numpy()
+        logits = run_after_prefix(model, caches, ids).numpy()
     finally:
         for hook in hooks:
             hook.remove()
@@ -101,10 +145,65 @@ def evaluate(model, ids, reference, activation_ranges=None) -> dict:
     return fidelity(reference, logits, ids[1:])
 
 
-def run_tokens(model, tokens):
-    from npuforge.models.llama.onnx_export import run_from_empty_cache
+def calibration_runs(model_id, doc_tokens):
+    """Token runs of the builds' calibration samples: the registry's plan (samples,
+    steps, seed) drawn as ``make_calibration_samples`` draws it for a KV-cache decode
+    export (one token per call, capture step from 0); the last token of each run is the
+    sampled call."""
+    import numpy as np
 
-    return run_from_empty_cache(model, [tokens], len(tokens))
+    from npuforge.calibration import plan_samples
+    from npuforge.registry import load_yaml
+
+    settings = load_yaml(REPO / "config" / "config.yaml")["calibration"]
+    settings = {**settings, **load_yaml(REPO / "config" / "models.yaml")[model_id]["calibration"]}
+    plan = plan_samples(
+        doc_tokens, settings["samples"], settings["steps"], settings["seed"], False, 0
+    )
+    return [
+        [int(t) for t in np.resize(doc_tokens[doc][start:], capture + 1)]
+        for doc, start, capture in plan
+    ]
+
+
+def sampled_ranges(model, caches, runs, names=None) -> dict:
+    """(min, max) of every decoder projection's input (or only ``names``) over the last
+    position of each calibration run from the prefix's ``caches``: the per-tensor ranges
+    a backend calibrating on those samples sees."""
+    from npuforge.models.llama.rounding import SUBLAYERS
+
+    ranges, hooks = {}, []
+
+    def record(key):
+        def hook(_module, args):
+            x = args[0][:, -1]
+            low, high = float(x.min()), float(x.max())
+            old = ranges.get(key, (low, high))
+            ranges[key] = (min(old[0], low), max(old[1], high))
+
+        return hook
+
+    for index, block in enumerate(model.layers):
+        for owner, group in SUBLAYERS:
+            for name in group:
+                if names is None or name in names:
+                    linear = getattr(getattr(block, owner), name)
+                    hooks.append(linear.register_forward_pre_hook(record(f"{index}.{name}")))
+    try:
+        for tokens in runs:
+            run_after_prefix(model, caches, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
+
+
+def rk3588_float_names():
+    """The projections the registry's RK3588 w8a8 keeps in float16 (its layers_named)."""
+    from npuforge.registry import load_yaml
+
+    options = load_yaml(REPO / "config" / "targets.yaml")["RK3588"]["options"]
+    return set(options["float16"]["w8a8"]["layers_named"])
 
 
 def calibration(model_dir, vocab, cap=None):
@@ -124,6 +223,7 @@ def run_model(model_id, model_dir, args, rows):
     from npuforge.models.llama import rotation, rounding
     from npuforge.models.llama.config import load_config
     from npuforge.models.llama.model import build_model
+    from npuforge.models.llama.rounding import SUBLAYERS
     from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
 
     torch.set_grad_enabled(False)
@@ -135,50 +235,104 @@ def run_model(model_id, model_dir, args, rows):
     ids = heldout.tokenize(tokenizer, cfg.vocab_size)[: args.positions + 1]
     if len(ids) < args.positions + 1:
         raise SystemExit(f"the held-out text has {len(ids)} tokens; lower --positions")
-    plain = build_model(cfg, load_state_dict(model_dir), args.positions + 1 + len(PREFIX))
-    reference = evaluate(plain, ids[: args.positions], None)
-    # GPTQ's Hessians from whole documents (5.8k tokens; cut at the 255 positions the
-    # graphs hold, 2.8k, the twin's g32 top-1 fell from 0.76 to 0.69); activation ranges
-    # from the positions the graphs hold.
+    # GPTQ's Hessians from whole documents, as the export takes them (5.8k tokens; cut at
+    # the 255 positions the graphs hold, 2.8k, the twin's g32 top-1 fell from 0.76 to
+    # 0.69); activation ranges from the builds' calibration samples.
     sequences = calibration(model_dir, cfg.vocab_size)
-    held = calibration(model_dir, cfg.vocab_size, 256 - len(PREFIX))
+    runs = calibration_runs(model_id, sequences)
+    cache_len = len(PREFIX) + max(args.positions, *map(len, runs))
+    plain = build_model(cfg, load_state_dict(model_dir), cache_len)
+    reference = evaluate(plain, prefix_caches(plain, cache_len), ids[: args.positions], None)
     rotated = copy.deepcopy(plain)
     rotation.rotate(rotated, ROTATION_SEED)
-    exact = evaluate(rotated, ids[: args.positions], reference)
+    exact = evaluate(rotated, prefix_caches(rotated, cache_len), ids[: args.positions], reference)
     yield {"model": model_id, "row": "rotation, fp32", **exact, "seconds": 0.0}
     bases = {False: plain, True: rotated}
-    # w8a8 rows reuse the 8-bit weights of the 8bit-channel rows (the same rounding).
-    rounded = {}
+    every = {n for _, group in SUBLAYERS for n in group}
+    # The w8a8 rows' GPTQ'd exports, shared by the two ways of quantizing them.
+    exports = {}
     for row in rows:
         name, _, lever = row.partition(":")
-        grid_name = "8bit-channel" if name == "w8a8" else name
-        grid = grids()[grid_name]
-        rotate, method = lever in ("rotation", "rotation+gptq"), "nearest"
-        if lever in ("gptq", "rotation+gptq"):
-            method = "gptq"
+        grid = grids()[name]
+        rotate, gptq = lever in ("rotation", "rotation+gptq"), "gptq" in lever
         start = time.perf_counter()
+        # The export: fp32 weights (the backend rounds them), or GPTQ's rounding.
+        export = bases[rotate]
+        if gptq:
+            export = exports.get((grid, rotate))
+            if export is None:
+                export = copy.deepcopy(bases[rotate])
+                rounding.round_decoder(export, sequences, PREFIX, grid, "gptq")
+                if name.startswith("w8a8"):
+                    exports[(grid, rotate)] = export
+        caches = prefix_caches(export, cache_len)
+        quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
-        if name == "w8a8":
-            ranges = rounding.input_ranges(
-                bases[rotate], held, PREFIX, lambda t, m=bases[rotate]: run_tokens(m, t)
-            )
-        model = rounded.get((grid_name, lever))
-        if model is None:
-            model = copy.deepcopy(bases[rotate])
-            rounding.round_decoder(model, sequences, PREFIX, grid, method)
-            if grid_name == "8bit-channel":
-                rounded[(grid_name, lever)] = model
-        figures = evaluate(model, ids[: args.positions], reference, ranges)
+        if name.startswith("w8a8"):
+            ranges = sampled_ranges(export, caches, runs, quantized)
+        # The backend's own rounding onto the grid it derives (GPTQ's weights stay put).
+        model = copy.deepcopy(export)
+        rounding.round_decoder(model, [], PREFIX, grid, "nearest", names=quantized)
+        figures = evaluate(model, caches, ids[: args.positions], reference, ranges)
         seconds = time.perf_counter() - start
         yield {"model": model_id, "row": f"{name} {lever}", **figures, "seconds": seconds}
         del model
 
 
+GRID_SETTINGS = {
+    "8bit-channel": "8-bit symmetric per channel",
+    "4bit-g32": "4-bit asymmetric, groups of 32",
+    "4bit-g64": "4-bit asymmetric, groups of 64",
+    "w8a8": "w8a8: 8-bit weights (RKNN's grid) and every decoder matmul's input 8-bit",
+    "w8a8-rk3588": "w8a8 as RK3588 builds it: q/k/v, gate/up 8-bit; o_proj, down_proj float",
+}
+LEVER_SETTINGS = {
+    "nearest": "round to nearest",
+    "rotation": "rotation",
+    "gptq": "GPTQ",
+    "rotation+gptq": "rotation + GPTQ",
+}
+
+
+def record(path, results, models, argv) -> list[str]:
+    """The table's rows as bench data rows (``npuforge.measurements``)."""
+    from npuforge import measurements
+    from npuforge.release import git_provenance
+
+    git = git_provenance()
+    names = {"smollm2-135m-permuted": "twin"}
+    rows = []
+    for row in dict.fromkeys(line["row"] for line in results):
+        figures = {}
+        for model in models:
+            line = next(x for x in results if x["model"] == model and x["row"] == row)
+            label = names.get(model, model)
+            figures[f"{label} top-1"] = line["top1_agreement"]
+            figures[f"{label} perplexity"] = measurements.percent(line["perplexity"]["delta"])
+        name, _, lever = row.partition(" ")
+        setting = "fp32, rotated (exactness)"
+        if name in GRID_SETTINGS:
+            setting = f"{GRID_SETTINGS[name]}: {LEVER_SETTINGS[lever]}"
+        rows.append(
+            {
+                "id": "quant-levers-" + row.replace(" ", "-").replace("+", "-").replace(",", ""),
+                "family": "quantization_levers",
+                "setting": setting,
+                "figures": figures,
+                "date": measurements.today(),
+                "commit": git["commit"] + (" (dirty)" if git["dirty"] else ""),
+                "command": "python bench/bench_quant.py " + " ".join(argv),
+                "status": "current",
+            }
+        )
+    return measurements.record_bench_rows(path, rows)
+
+
 ALL_ROWS = [
     f"{grid}:{lever}"
-    for grid in ("8bit-channel", "4bit-g32", "4bit-g64")
+    for grid in ("8bit-channel", "4bit-g32", "4bit-g64", "w8a8", "w8a8-rk3588")
     for lever in ("nearest", "rotation", "gptq", "rotation+gptq")
-] + ["w8a8:nearest", "w8a8:rotation", "w8a8:gptq", "w8a8:rotation+gptq"]
+]
 
 
 def main():
@@ -190,6 +344,7 @@ def main():
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-quant"))
     parser.add_argument("--rows", default=",".join(ALL_ROWS), help="grid:lever, comma list")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--record", type=Path, help="write the table into this bench data file")
     args = parser.parse_args()
     args.models = args.models.split(",")
     if args.positions < 64:
@@ -220,6 +375,12 @@ def main():
                 f"{line['top1_agreement']:.3f} / {line['perplexity']['delta'] * 100:+.2f} %"
             )
         print(f"| {row} | {' | '.join(cells)} |")
+    if args.record:
+        argv = sys.argv[1:]
+        if "--record" in argv:  # the command that reproduces the rows, not rewrites them
+            del argv[argv.index("--record") : argv.index("--record") + 2]
+        written = record(args.record, results, args.models, argv)
+        print(f"\n{len(written)} rows written to {args.record}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ MEASURED_ON = (VENDOR_SIMULATOR, "onnxruntime CPU", "onnxruntime CPU proxy", "to
 STATUSES = ("current", "superseded")
 REQUIRED = ("id", "model", "target", "precision", "setting", "measured_on", "figures",
             "date", "commit", "command", "status")  # fmt: skip
+BENCH_REQUIRED = ("id", "family", "setting", "figures", "date", "commit", "command", "status")
 FIGURES = ("positions", "cosine", "cosine_mean", "top1", "perplexity_delta", "passed")
 
 HEADER = """\
@@ -153,6 +154,24 @@ def append_rows(path, new_rows: list[dict], header: str = HEADER) -> list[str]:
     if added:
         write_rows(path, merged, header)
     return added
+
+
+def record_bench_rows(path, new_rows: list[dict]) -> list[str]:
+    """Write ``new_rows`` into the bench data file at ``path``: a row whose id is there
+    replaces it in place (a bench rerun measures the same setting again), the rest are
+    appended. Returns the ids written."""
+    rows = load_rows(path)
+    for number, row in enumerate(new_rows, 1):
+        missing = [key for key in BENCH_REQUIRED if key not in row]
+        if missing:
+            raise NpuforgeError(f"bench row {number}: missing {', '.join(missing)}; add them")
+    fresh = {row["id"]: dict(row) for row in new_rows}
+    if len(fresh) != len(new_rows):
+        raise NpuforgeError("two new bench rows share an id; give each row its own id")
+    merged = [fresh.pop(row["id"], row) for row in rows]
+    merged += fresh.values()
+    write_rows(path, merged, BENCHES_HEADER)
+    return [row["id"] for row in new_rows]
 
 
 def figures_of(verification: dict) -> dict:

@@ -231,9 +231,14 @@ def rounding_loss(weight, rounded, hessian) -> float:
 
 
 def fake_quantize_tensor(x: torch.Tensor, low: float, high: float, bits: int = 8) -> torch.Tensor:
-    """``x`` rounded to 2^bits levels from ``low`` to ``high`` (clipped): an activation
-    quantized per tensor with a calibrated range."""
+    """``x`` rounded to 2^bits levels over [min(low, 0), max(high, 0)] (clipped), zero on
+    a level: an activation quantized per tensor with a calibrated range and an integer
+    zero point, as the backends' asymmetric quantizers do (onnxruntime's uint8, RKNN's
+    asymmetric int8). A zero off the grid would add the same offset to every element,
+    and a matmul sums that offset over its whole input."""
     steps = 2**bits - 1
+    low, high = min(float(low), 0.0), max(float(high), 0.0)
     scale = max(high - low, 1e-12) / steps
-    levels = torch.clamp(torch.round((x - low) / scale), 0, steps)
-    return low + levels * scale
+    zero = round(-low / scale)
+    levels = torch.clamp(torch.round(x / scale) + zero, 0, steps)
+    return (levels - zero) * scale

@@ -128,6 +128,30 @@ def test_append_rows_writes_the_data_file_a_bench_script_shares(tmp_path):
     assert data.read_text().startswith(measurements.HEADER)
 
 
+def test_a_bench_rerun_replaces_its_rows_in_place_and_keeps_the_others(tmp_path):
+    data = tmp_path / "benches.yaml"
+
+    def row(ident, top1):
+        return {"id": ident, "family": "quantization_levers", "setting": ident,
+                "figures": {"top1": top1}, "date": "2026-12-02", "commit": "abc",
+                "command": "c", "status": "current"}  # fmt: skip
+
+    measurements.record_bench_rows(data, [row("a", 0.5), row("b", 0.6), row("c", 0.7)])
+    assert measurements.record_bench_rows(data, [row("b", 0.9), row("d", 1.0)]) == ["b", "d"]
+    rows = measurements.load_rows(data)
+    assert [(r["id"], r["figures"]["top1"]) for r in rows] == [
+        ("a", 0.5), ("b", 0.9), ("c", 0.7), ("d", 1.0)
+    ]  # fmt: skip
+    assert data.read_text().startswith(measurements.BENCHES_HEADER)
+    with pytest.raises(NpuforgeError, match="bench row 1: missing commit"):
+        measurements.record_bench_rows(
+            data, [{k: v for k, v in row("e", 1).items() if k != "commit"}]
+        )
+    with pytest.raises(NpuforgeError, match="share an id"):
+        measurements.record_bench_rows(data, [row("f", 1), row("f", 2)])
+    assert len(measurements.load_rows(data)) == 4
+
+
 def test_a_build_whose_4bit_groups_all_sit_on_the_grid_names_its_lever():
     def manifest(**record):
         return {"inputs": {"exports": [{"key": "k", "export": record}]}}

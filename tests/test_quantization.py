@@ -499,3 +499,27 @@ def test_gptq_option_matches_its_grid_to_the_export_split():
     export["gptq"]["w8a8"]["symmetric"] = True
     with pytest.raises(NpuforgeError, match="integer_zero is an asymmetric grid"):
         llama.export_options(model, export, "w8a8")
+
+
+def test_fake_quantized_activations_round_as_onnxruntimes_uint8():
+    """The torch bench's per-tensor activation quantizer is onnxruntime's asymmetric uint8
+    (range widened to hold 0, integer zero point): zero stays exactly zero, so a matmul
+    of quantized inputs gains no offset summed over its inputs."""
+    import onnx
+    import torch
+    from onnxruntime.quantization.quant_utils import compute_scale_zp, quantize_nparray
+
+    from npuforge.quantization import fake_quantize_tensor
+
+    x = np.random.default_rng(0).normal(size=(4, 300)).astype(np.float32) * 3
+    x[0, :5] = 0.0
+    for low, high in ((-2.0, 40.0), (0.5, 7.0), (-9.0, -1.0), (-46.3, 1886.5)):
+        zero, scale = compute_scale_zp(
+            np.float32(low), np.float32(high), np.uint8(0), np.uint8(255)
+        )
+        expected = (
+            quantize_nparray(onnx.TensorProto.UINT8, x, scale, zero).astype(np.float64) - zero
+        ) * scale
+        got = fake_quantize_tensor(torch.from_numpy(x), low, high).numpy()
+        assert np.abs(got - expected).max() <= 1e-6 * max(abs(low), abs(high))
+        assert np.all(got[0, :5] == 0.0)
