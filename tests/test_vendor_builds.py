@@ -1,6 +1,7 @@
-"""End to end through Snakemake: the demo model for one SoC of each vendor that runs here.
+"""End to end through Snakemake: one SoC of each vendor that runs here.
 
-    snakemake --cores all --config target=RK3588,SM8650,BM1688 precision=fp16,f16   # podman
+    snakemake --cores all --config model=rwkv7-tiny target=RK3588,SM8650,BM1688 \
+        precision=fp16,f16 toolchain_runtime=podman
     snakemake --cores all --config target=SM8650      # fp16 and a16w8, native
 
 Each builds its toolchain through the workflow's prepare_toolchain rule, compiles
@@ -14,13 +15,12 @@ from.
 """
 
 import json
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
 from conftest import (
+    PODMAN_MODEL,
     PODMAN_SELECTION,
     copy_workflow,
     podman_build_env,
@@ -67,7 +67,7 @@ def sha256s(bundle, suffix):
 @pytest.mark.slow
 @pytest.mark.toolchain
 def test_rk3588_in_podman_builds_a_verified_rknn(podman_release):
-    bundle = bundle_of(podman_release, "RK3588", "fp16")
+    bundle = bundle_of(podman_release, "RK3588", "fp16", PODMAN_MODEL)
     compiled = check_bundle(bundle)["compile"]
     assert compiled["toolchain"]["runtime"] == "podman"
     assert compiled["toolchain"]["image"] == toolchain.image_name("rknn")
@@ -95,7 +95,7 @@ def test_rk3588_in_podman_builds_a_verified_rknn(podman_release):
 @pytest.mark.slow
 @pytest.mark.toolchain
 def test_sm8650_in_podman_builds_a_verified_htp_context(podman_release):
-    bundle = bundle_of(podman_release, "SM8650", "fp16")
+    bundle = bundle_of(podman_release, "SM8650", "fp16", PODMAN_MODEL)
     compiled = check_bundle(bundle)["compile"]
     assert compiled["toolchain"]["runtime"] == "podman"
     assert compiled["toolchain"]["image"] == toolchain.image_name("qnn")
@@ -115,7 +115,7 @@ def test_bm1688_in_podman_builds_a_verified_combined_bmodel(podman_release):
     BM1688's 3.5. BM1684X's deploy and combine run natively in test_tpumlir.py."""
     from npuforge.backends.tpumlir import FLOORS
 
-    bundle = bundle_of(podman_release, "BM1688", "f16")
+    bundle = bundle_of(podman_release, "BM1688", "f16", PODMAN_MODEL)
     compiled = check_bundle(bundle)["compile"]
     record = compiled["toolchain"]
     assert record["runtime"] == "podman" and record["image"] == toolchain.image_name("tpumlir")
@@ -149,37 +149,18 @@ def test_a_second_run_of_the_container_builds_has_nothing_to_do(podman_release):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
-@pytest.fixture
-def fresh_image_store(tmp_path):
-    """Environment for a podman storage of this test's own (CONTAINERS_STORAGE_CONF):
-    every image built there starts from nothing, the debootstrapped base included, and
-    the machine's images (which other runs may be using) are never touched."""
-    root = tmp_path / "image-store"
-    root.mkdir()
-    conf = root / "storage.conf"
-    conf.write_text(
-        f'[storage]\ndriver = "overlay"\ngraphroot = "{root / "graph"}"\n'
-        f'runroot = "{root / "run"}"\n'
-    )
-    env = {"CONTAINERS_STORAGE_CONF": str(conf)}
-    yield env
-    subprocess.run(
-        ["podman", "rmi", "--all", "--force"], env={**os.environ, **env}, capture_output=True
-    )
-    shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.mark.slow
 @pytest.mark.toolchain
 def test_images_built_again_from_nothing_give_every_release_byte_again(
-    podman_release, fresh_image_store, tmp_path
+    podman_release, images_from_nothing, tmp_path
 ):
     """The same builds from another checkout path into another results directory, with the
-    base and every toolchain image built again in a storage of their own: the release
-    (manifests, which name the images, included) is the same to the byte."""
+    base and every toolchain image built again from nothing in a storage of their own
+    (conftest.ImagesFromNothing): the release (manifests, which name the images,
+    included) is the same to the byte."""
     other = copy_workflow(tmp_path / "a-second-checkout-at-a-much-longer-path" / "wf")
     results = tmp_path / "other-results"
-    env = dict(podman_build_env(), **fresh_image_store)
+    env = dict(podman_build_env(), **images_from_nothing)
     snakemake(other, *PODMAN_SELECTION, f"results={results}", check=True, env=env)
     backends = ("rknn", "qnn", "tpumlir")
     for image in (toolchain.BASE_IMAGE, *map(toolchain.image_name, backends)):
