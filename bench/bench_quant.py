@@ -170,32 +170,12 @@ def sampled_ranges(model, caches, runs, names=None) -> dict:
     """(min, max) of every decoder projection's input (or only ``names``) over the last
     position of each calibration run from the prefix's ``caches``: the per-tensor ranges
     a backend calibrating on those samples sees."""
-    from npuforge.models.llama.rounding import SUBLAYERS
+    from npuforge.models.llama.rounding import input_ranges
 
-    ranges, hooks = {}, []
+    def run(tokens):
+        return run_after_prefix(model, caches, tokens)
 
-    def record(key):
-        def hook(_module, args):
-            x = args[0][:, -1]
-            low, high = float(x.min()), float(x.max())
-            old = ranges.get(key, (low, high))
-            ranges[key] = (min(old[0], low), max(old[1], high))
-
-        return hook
-
-    for index, block in enumerate(model.layers):
-        for owner, group in SUBLAYERS:
-            for name in group:
-                if names is None or name in names:
-                    linear = getattr(getattr(block, owner), name)
-                    hooks.append(linear.register_forward_pre_hook(record(f"{index}.{name}")))
-    try:
-        for tokens in runs:
-            run_after_prefix(model, caches, tokens)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return ranges
+    return input_ranges(model, runs, run, names=names, positions=-1)
 
 
 def rk3588_float_names():

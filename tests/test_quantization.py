@@ -222,6 +222,37 @@ def test_rotation_keeps_the_logits_and_spreads_the_outliers(checkpoints, tmp_pat
     assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
 
 
+def test_input_ranges_are_each_projections_input_extremes_at_the_positions_asked(checkpoints):
+    import torch
+
+    from npuforge.models.llama import config as llama_config
+    from npuforge.models.llama import model as llama_model
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
+    from npuforge.models.llama.rounding import input_ranges
+
+    cfg = llama_config.load_config(checkpoints["qwen2"])
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoints["qwen2"]), 64)
+    calls = np.random.default_rng(5).integers(0, cfg.vocab_size, (3, 12)).tolist()
+    seen = []
+    hook = model.layers[1].mlp.down_proj.register_forward_pre_hook(
+        lambda _module, args: seen.append(args[0].detach().clone())
+    )
+
+    def run(tokens):
+        llama_export.run_from_empty_cache(model, [tokens], 64)
+
+    with torch.no_grad():
+        every = input_ranges(model, calls, run)
+        last = input_ranges(model, calls, run, names={"down_proj"}, positions=-1)
+    hook.remove()
+    full, final = torch.cat(seen[:3], dim=1), torch.cat([x[:, -1] for x in seen[3:]])
+    assert every["1.down_proj"] == (float(full.min()), float(full.max()))
+    assert last["1.down_proj"] == (float(final.min()), float(final.max()))
+    assert set(last) == {f"{i}.down_proj" for i in range(cfg.num_layers)}
+    assert len(every) == 7 * cfg.num_layers and every["0.q_proj"][0] < 0
+
+
 def test_rotate_is_a_per_precision_export_option_refused_beside_smoothquant():
     from npuforge.models import llama
 

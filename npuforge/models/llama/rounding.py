@@ -136,28 +136,30 @@ def round_decoder(
     }
 
 
-def input_ranges(model, sequences, prefix, run) -> dict:
-    """(min, max) of every decoder projection's input over ``run(prefix + sequence)``
-    calls (the kv_prefix positions left out): per-tensor activation ranges."""
-    ranges, hooks, skip = {}, [], len(prefix)
+def input_ranges(model, calls, run, names=None, positions=slice(None)) -> dict:
+    """(min, max) of every decoder projection's input (or only those ``names``d) over
+    ``run(call)`` for each of ``calls``, at the token ``positions`` of each call (an index
+    or a slice): the per-tensor activation ranges a backend calibrating on them sees."""
+    ranges, hooks = {}, []
 
-    def record(name):
+    def record(key):
         def hook(_module, args):
-            x = args[0][:, skip:]
+            x = args[0][:, positions]
             low, high = float(x.min()), float(x.max())
-            old = ranges.get(name, (low, high))
-            ranges[name] = (min(old[0], low), max(old[1], high))
+            old = ranges.get(key, (low, high))
+            ranges[key] = (min(old[0], low), max(old[1], high))
 
         return hook
 
     for index, block in enumerate(model.layers):
-        for owner, names in SUBLAYERS:
-            for name in names:
-                linear = getattr(getattr(block, owner), name)
-                hooks.append(linear.register_forward_pre_hook(record(f"{index}.{name}")))
+        for owner, group in SUBLAYERS:
+            for name in group:
+                if names is None or name in names:
+                    linear = getattr(getattr(block, owner), name)
+                    hooks.append(linear.register_forward_pre_hook(record(f"{index}.{name}")))
     try:
-        for ids in sequences:
-            run([*prefix, *(int(t) for t in ids)])
+        for call in calls:
+            run(call)
     finally:
         for hook in hooks:
             hook.remove()
