@@ -79,6 +79,12 @@ def permute_state_dict(cfg, tensors: dict, permutations: dict) -> dict:
     def t(name):
         return tensors[name]
 
+    def linear(key, rows, columns):
+        """A projection's weight in (rows, columns) order, its bias (if any) in rows'."""
+        take(key + "weight", t(key + "weight")[rows][:, columns])
+        if key + "bias" in tensors:
+            take(key + "bias", t(key + "bias")[rows])
+
     take("model.embed_tokens.weight", t("model.embed_tokens.weight")[:, hidden])
     take("model.norm.weight", t("model.norm.weight")[hidden])
     if "lm_head.weight" in tensors:
@@ -90,31 +96,17 @@ def permute_state_dict(cfg, tensors: dict, permutations: dict) -> dict:
         o_columns = _o_columns(cfg, permutations["head"][layer])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             take(pre + f"{norm}.weight", t(pre + f"{norm}.weight")[hidden])
-        for name in ("q_proj", "k_proj"):
-            key = pre + f"self_attn.{name}."
-            take(key + "weight", t(key + "weight")[:, hidden])
-            if key + "bias" in tensors:
-                take(key + "bias", t(key + "bias"))
-        key = pre + "self_attn.v_proj."
-        take(key + "weight", t(key + "weight")[v_rows][:, hidden])
-        if key + "bias" in tensors:
-            take(key + "bias", t(key + "bias")[v_rows])
-        key = pre + "self_attn.o_proj."
-        take(key + "weight", t(key + "weight")[hidden][:, o_columns])
-        if key + "bias" in tensors:
-            take(key + "bias", t(key + "bias")[hidden])
+        every = slice(None)
+        linear(pre + "self_attn.q_proj.", every, hidden)
+        linear(pre + "self_attn.k_proj.", every, hidden)
+        linear(pre + "self_attn.v_proj.", v_rows, hidden)
+        linear(pre + "self_attn.o_proj.", hidden, o_columns)
         for norm in ("q_norm", "k_norm"):
             if pre + f"self_attn.{norm}.weight" in tensors:
                 take(pre + f"self_attn.{norm}.weight", t(pre + f"self_attn.{norm}.weight"))
-        for name in ("gate_proj", "up_proj"):
-            key = pre + f"mlp.{name}."
-            take(key + "weight", t(key + "weight")[ffn][:, hidden])
-            if key + "bias" in tensors:
-                take(key + "bias", t(key + "bias")[ffn])
-        key = pre + "mlp.down_proj."
-        take(key + "weight", t(key + "weight")[hidden][:, ffn])
-        if key + "bias" in tensors:
-            take(key + "bias", t(key + "bias")[hidden])
+        linear(pre + "mlp.gate_proj.", ffn, hidden)
+        linear(pre + "mlp.up_proj.", ffn, hidden)
+        linear(pre + "mlp.down_proj.", hidden, ffn)
     # Rotary buffers some checkpoints store are derived, not weights.
     left = sorted(k for k in set(tensors) - done if not k.endswith("rotary_emb.inv_freq"))
     if left:
