@@ -19,8 +19,8 @@ on) after the kv_prefix <|im_start|>, every decoder matmul's weights fake-quanti
           projections its float16 option does not name: q/k/v and gate/up)
 
 Every row mirrors a build: the kv_prefix <|im_start|> never runs through the quantized
-model; its cache comes from the model as the export writes it (fp32 weights, GPTQ's once
-rounded), and the held-out text and calibration samples run from that cache.
+model; its cache comes from the model as the export writes it (fp32 weights, before GPTQ
+rounds them), and the held-out text and calibration samples run from that cache.
 
 Figures as the compile steps' gates judge them (npuforge.backends.base.fidelity): top-1
 agreement with fp32 and the change of the text's perplexity.
@@ -245,7 +245,9 @@ def run_model(model_id, model_dir, args, rows):
                 rounding.round_decoder(export, sequences, PREFIX, grid, "gptq")
                 if name.startswith("w8a8"):
                     exports[(grid, rotate)] = export
-        caches = prefix_caches(export, cache_len)
+        # The kv_prefix's rows come from the weights before any rounding, as the export
+        # writes them.
+        caches = prefix_caches(bases[rotate], cache_len)
         quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
         if name.startswith("w8a8"):

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,34 @@ def pytest_runtest_setup(item):
 
 def pytest_sessionfinish(session):
     ImagesFromNothing.discard()
+
+
+# Per worker: the seconds its tests took and when its last one ended, printed after the
+# durations so each CI log shows which worker is the critical path.
+_WORKER_TIMES: dict[str, list[float]] = {}
+_SESSION_START = [time.monotonic()]
+
+
+def pytest_sessionstart(session):
+    _SESSION_START[0] = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    busy, _ = _WORKER_TIMES.get(worker, (0.0, 0.0))
+    _WORKER_TIMES[worker] = [busy + report.duration, time.monotonic()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _WORKER_TIMES:
+        return
+    start = _SESSION_START[0]
+    terminalreporter.write_sep("=", "busy time per worker")
+    for worker, (busy, last) in sorted(_WORKER_TIMES.items()):
+        terminalreporter.write_line(
+            f"{worker}: {busy:7.0f} s of tests, its last one ended {last - start:7.0f} s in"
+        )
 
 
 @pytest.fixture

@@ -492,6 +492,8 @@ def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tm
         checkpoint, tmp_path / "p", rotate={"seed": 0}, group_offsets={"group": 16}, **common
     )
     assert plain["group_offsets"]["on_4bit_grid"] == 0
+    # The kv_prefix's rows come from the weights before GPTQ rounds them.
+    assert meta["kv_prefix"]["sha256"] == plain["kv_prefix"]["sha256"]
 
     meta = llama_export.export_llama(
         checkpoint, tmp_path / "b", gptq=four, block_centres={"group": 16}, **common
