@@ -27,7 +27,7 @@ agreement with fp32 and the change of the text's perplexity.
 
     python bench/bench_quant.py [--positions 96] [--models smollm2-135m,smollm2-135m-permuted]
                                 [--results /tmp/npuforge-bench-quant] [--rows 4bit-g32:gptq,...]
-                                [--record docs/data/benches.yaml]
+                                [--jobs 2] [--record docs/data/benches.yaml]
 
 --record writes one row per table row (family quantization_levers, the table of
 docs/quantization.md) into the docs' data (npuforge.measurements), replacing the rows of
@@ -38,6 +38,7 @@ The checkpoints are made by the workflow (fetch, dequantize, permute) into --res
 
 import argparse
 import copy
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -261,6 +262,20 @@ def run_model(model_id, model_dir, args, rows):
         del model
 
 
+def measure_model(job) -> list[dict]:
+    """Every row of one model, each printed as it is measured."""
+    lines = []
+    for line in run_model(*job):
+        ppl = line["perplexity"]["delta"] * 100
+        print(
+            f"{line['model']:24} {line['row']:32} {line['top1_agreement']:6.3f} "
+            f"{ppl:+8.2f}% {line['seconds']:6.0f}",
+            flush=True,
+        )
+        lines.append(line)
+    return lines
+
+
 GRID_SETTINGS = {
     "8bit-channel": "8-bit symmetric per channel",
     "4bit-g32": "4-bit asymmetric, groups of 32",
@@ -325,7 +340,8 @@ def main():
     parser.add_argument("--models", default="smollm2-135m,smollm2-135m-permuted")
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-quant"))
     parser.add_argument("--rows", default=",".join(ALL_ROWS), help="grid:lever, comma list")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per model")
+    parser.add_argument("--jobs", type=int, default=1, help="models measured side by side")
     parser.add_argument("--record", type=Path, help="write the table into this bench data file")
     args = parser.parse_args()
     args.models = args.models.split(",")
@@ -338,15 +354,14 @@ def main():
     paths = checkpoints(args)
     results = []
     print(f"{'model':24} {'weights / lever':32} {'top-1':>6} {'ppl':>9} {'s':>6}", flush=True)
-    for model_id, model_dir in paths.items():
-        for line in run_model(model_id, model_dir, args, rows):
-            ppl = line["perplexity"]["delta"] * 100
-            print(
-                f"{line['model']:24} {line['row']:32} {line['top1_agreement']:6.3f} "
-                f"{ppl:+8.2f}% {line['seconds']:6.0f}",
-                flush=True,
-            )
-            results.append(line)
+    jobs = [(model_id, model_dir, args, rows) for model_id, model_dir in paths.items()]
+    if args.jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            for lines in pool.imap(measure_model, jobs):
+                results += lines
+    else:
+        for job in jobs:
+            results += measure_model(job)
     print(f"\n| weights / lever | {' | '.join(args.models)} |")
     print(f"|---|{'---|' * len(args.models)}")
     for row in dict.fromkeys(line["row"] for line in results):
