@@ -304,7 +304,7 @@ def record(path, results, models, argv) -> list[str]:
         for model in models:
             line = next(x for x in results if x["model"] == model and x["row"] == row)
             label = names.get(model, model)
-            figures[f"{label} top-1"] = line["top1_agreement"]
+            figures[f"{label} top-1"] = round(line["top1_agreement"], 3)
             figures[f"{label} perplexity"] = measurements.percent(line["perplexity"]["delta"])
         name, _, lever = row.partition(" ")
         setting = "fp32, rotated (exactness)"
