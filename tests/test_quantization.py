@@ -464,7 +464,7 @@ def test_gptq_weights_survive_each_backends_own_rounding():
         assert np.abs(back - main).max() <= 1e-5 * np.abs(main).max()
 
 
-def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tmp_path):
+def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tmp_path, capsys):
     """gptq with group_offsets of the same group (TPU-MLIR W4F16), after a rotation:
     every projection lies on a 4-bit grid of its groups, which the group_offsets record
     counts; with block_centres (QNN int4 blocks) only the MLP is rounded; 8-bit per
@@ -486,6 +486,8 @@ def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tm
         **common,
     )  # fmt: skip
     assert meta["group_offsets"] == {"group": 16, "matmuls": 7 * layers, "on_4bit_grid": 7 * layers}
+    # A decoder's rounding takes minutes at real sizes: the log names each layer done.
+    assert f"GPTQ: layer {layers} of {layers} rounded" in capsys.readouterr().out
     assert meta["gptq"]["grid"] == "4-bit asymmetric, groups of 16"
     assert meta["gptq"]["text"]["tokenizer"]["kind"] == "bytes" and meta["rotation"]
     plain = llama_export.export_llama(

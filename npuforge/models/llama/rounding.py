@@ -14,6 +14,8 @@ after the export this rounding changes; the samples of a rounded export are then
 from it as for any other.
 """
 
+import time
+
 import torch
 
 from npuforge.quantization import DAMP, WeightGrid, gptq, round_to_nearest
@@ -106,8 +108,8 @@ def round_decoder(
         return {"method": "round to nearest", "grid": grid.describe()}
     cfg, skip = model.cfg, len(prefix)
     states = _layer_inputs(model, sequences, prefix)
-    positions = 0
-    for block in model.layers:
+    positions, started = 0, time.monotonic()
+    for index, block in enumerate(model.layers):
         for owner, group in SUBLAYERS:
             linears = [getattr(getattr(block, owner), n) for n in group if n in chosen]
             if not linears:
@@ -119,6 +121,12 @@ def round_decoder(
                     linear.weight.copy_(rounded)
         for state in states:
             state[0] = _run_block(block, cfg, *state)
+        # A layer takes seconds; a whole decoder minutes, so the log says where it is.
+        print(
+            f"GPTQ: layer {index + 1} of {len(model.layers)} rounded "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
     return {
         "method": "gptq",
         "grid": grid.describe(),
