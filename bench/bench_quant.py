@@ -223,12 +223,15 @@ def run_model(model_id, model_dir, args, rows):
     runs = calibration_runs(model_id, sequences)
     cache_len = len(PREFIX) + max(args.positions, *map(len, runs))
     plain = build_model(cfg, load_state_dict(model_dir), cache_len)
-    reference = evaluate(plain, prefix_caches(plain, cache_len), ids[: args.positions], None)
     rotated = copy.deepcopy(plain)
     rotation.rotate(rotated, ROTATION_SEED)
-    exact = evaluate(rotated, prefix_caches(rotated, cache_len), ids[: args.positions], reference)
-    yield {"model": model_id, "row": "rotation, fp32", **exact, "seconds": 0.0}
     bases = {False: plain, True: rotated}
+    # The kv_prefix's rows come from the weights before any rounding, as the export
+    # writes them: one cache per base model, whatever a row rounds.
+    base_caches = {rotate: prefix_caches(base, cache_len) for rotate, base in bases.items()}
+    reference = evaluate(plain, base_caches[False], ids[: args.positions], None)
+    exact = evaluate(rotated, base_caches[True], ids[: args.positions], reference)
+    yield {"model": model_id, "row": "rotation, fp32", **exact, "seconds": 0.0}
     every = {n for _, group in SUBLAYERS for n in group}
     # The w8a8 rows' GPTQ'd exports, shared by the two ways of quantizing them.
     exports = {}
@@ -246,9 +249,7 @@ def run_model(model_id, model_dir, args, rows):
                 rounding.round_decoder(export, sequences, PREFIX, grid, "gptq")
                 if name.startswith("w8a8"):
                     exports[(grid, rotate)] = export
-        # The kv_prefix's rows come from the weights before any rounding, as the export
-        # writes them.
-        caches = prefix_caches(bases[rotate], cache_len)
+        caches = base_caches[rotate]
         quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
         if name.startswith("w8a8"):
