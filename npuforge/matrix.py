@@ -36,12 +36,20 @@ class Plan:
     target_exports: dict = field(default_factory=dict)
     # (model, export key) -> the decode export checked together with it (itself for decode)
     verify_partner: dict = field(default_factory=dict)
+    # (model, target, precision) -> export keys of the same graphs before rounding, where
+    # the build's exports are rounded at export (their fp32 graphs are no longer the model)
+    reference_exports: dict = field(default_factory=dict)
 
     def export_keys(self, model: str, target: str, precision: str) -> list[str]:
         return self.target_exports[(model, target, precision)]
 
     def export_options(self, model: str, key: str) -> dict:
         return self.exports[(model, key)]
+
+    def reference_keys(self, model: str, target: str, precision: str) -> list[str]:
+        """The exports a build's simulator figures are measured against, when they are not
+        its own exports: the same options without the rounding at export (GPTQ)."""
+        return self.reference_exports.get((model, target, precision), [])
 
     def verify_exports(self, model: str, key: str) -> list[str]:
         """Export keys verify_onnx takes for ``key``: the decode export first."""
@@ -279,6 +287,16 @@ def export_variants(model: dict, target: dict, precision: str | None = None) -> 
     return variants
 
 
+# Export options that round the weights: the fp32 graphs of such an export are no longer
+# the model, so a build from it is verified against the export without them.
+ROUNDING_OPTIONS = ("gptq",)
+
+
+def unrounded(options: dict) -> dict:
+    """An export's options without the rounding at export (equal to ``options`` if none)."""
+    return {k: v for k, v in options.items() if k not in ROUNDING_OPTIONS}
+
+
 def export_key(options: dict) -> str:
     """A directory name for an export: readable prefix plus a hash of all its options."""
     canonical = json.dumps(options, sort_keys=True, separators=(",", ":"))
@@ -359,12 +377,17 @@ def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     plan = Plan(models=models, targets=targets, builds=builds)
     for build in builds:
         triple = (build.model, build.target, build.precision)
-        keys = []
+        keys, references = [], []
         for options in export_variants(models[build.model], targets[build.target], build.precision):
             key = export_key(options)
             plan.exports[(build.model, key)] = options
             keys.append(key)
+            reference = unrounded(options)
+            plan.exports[(build.model, export_key(reference))] = reference
+            references.append(export_key(reference))
         plan.target_exports[triple] = keys
+        if references != keys:
+            plan.reference_exports[triple] = references
         for key in keys:
             # A prefill export is checked by continuing its state in the decode graphs.
             plan.verify_partner.setdefault((build.model, key), keys[0])

@@ -385,6 +385,13 @@ def compile_inputs(wildcards):
             wildcards.model, wildcards.target, wildcards.precision
         ),
         "heldout": heldout_path(wildcards.model),
+        # The same graphs before rounding at export: what the simulator's figures gate on.
+        "references": [
+            export_dir(wildcards.model, key)
+            for key in PLAN.reference_keys(
+                wildcards.model, wildcards.target, wildcards.precision
+            )
+        ],
     }
     if PLAN.needs_calibration(wildcards.target, wildcards.precision):
         inputs["calibration"] = target_calibration_dirs(
@@ -417,6 +424,8 @@ def compile_paths(wildcards, input):
         args += ["--export", export]
     for calibration in input.get("calibration", []):
         args += ["--calibration", calibration]
+    for reference in input.references:
+        args += ["--reference-export", reference]
     if "toolchain" in input.keys():
         args += ["--toolchain", input.toolchain]
     if "checkpoint" in input.keys():

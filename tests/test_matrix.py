@@ -572,3 +572,31 @@ def test_block_centres_give_sm8650_a16w4_its_own_export_through_the_sha_pass():
             selection(model="smollm2-135m", target="SM8650", precision="a16w4"), models, TARGETS
         )
     assert "\n" not in str(err.value)
+
+
+def test_a_build_rounded_at_export_is_measured_against_the_export_before_rounding():
+    """GPTQ rounds the export's weights, so its fp32 graphs are no longer the model: the
+    plan gives such a build reference exports of the same options without gptq (planned
+    as exports too); other builds get none, and the compile job takes them."""
+    smollm2 = dict(MODELS["smollm2-135m-permuted"])
+    smollm2["precisions"] = {"RK3588": ["fp16", "w8a8"]}
+    smollm2["export"] = dict(
+        smollm2["export"],
+        rotate={"w8a8": 0},
+        gptq={"w8a8": {"bits": 8, "symmetric": False, "integer_zero": True}},
+    )
+    models = dict(MODELS, **{"smollm2-135m-permuted": smollm2})
+    plan = make_plan(
+        selection(model="smollm2-135m-permuted", target="RK3588", precision="fp16,w8a8"),
+        models,
+        TARGETS,
+    )
+    rounded = plan.export_keys("smollm2-135m-permuted", "RK3588", "w8a8")
+    references = plan.reference_keys("smollm2-135m-permuted", "RK3588", "w8a8")
+    assert len(references) == len(rounded) and not set(references) & set(rounded)
+    for key, reference in zip(rounded, references, strict=True):
+        options = plan.export_options("smollm2-135m-permuted", key)
+        assert "gptq" in options
+        unrounded = {k: v for k, v in options.items() if k != "gptq"}
+        assert plan.export_options("smollm2-135m-permuted", reference) == unrounded
+    assert plan.reference_keys("smollm2-135m-permuted", "RK3588", "fp16") == []

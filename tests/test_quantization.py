@@ -558,3 +558,45 @@ def test_fake_quantized_activations_round_as_onnxruntimes_uint8():
         got = fake_quantize_tensor(torch.from_numpy(x), low, high).numpy()
         assert np.abs(got - expected).max() <= 1e-6 * max(abs(low), abs(high))
         assert np.all(got[0, :5] == 0.0)
+
+
+def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, tmp_path):
+    """A binary that computes exactly the GPTQ'd export's fp32 graphs: against its own
+    export it is perfect, which hides GPTQ's change; with the unrounded export as
+    reference the gate sees it, and ``against_export`` keeps the own-export figures."""
+    from npuforge.backends import base
+    from npuforge.backends.rknn import Options
+    from npuforge.models.llama import onnx_export as llama_export
+
+    checkpoint = checkpoints["llama"]
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper writes three lines in the logbook every evening. " * 6)
+    common = dict(variant="decode", dtype="fp32", cache_len=64, fp16_fixes=True)
+    four = {"bits": 4, "group": 16, "symmetric": False, "text": str(text)}
+    llama_export.export_llama(checkpoint, tmp_path / "rounded", gptq=four, **common)
+    llama_export.export_llama(checkpoint, tmp_path / "plain", **common)
+    exports = base.load_exports([tmp_path / "rounded"], "rknn")
+    schedule = base.verification_schedule(exports, 24)
+    ids = np.random.default_rng(0).integers(0, TINY_CONFIGS["llama"]["vocab_size"], 25)
+    text_record = {"ids": ids.tolist(), "text": {"source": "random ids"}}
+    compiled = base.reference_logits(exports, schedule, ids)
+
+    def request(references):
+        return base.CompileRequest(
+            exports=[tmp_path / "rounded"], references=references, target="RK3588",
+            options=Options(target_platform="rk3588"), precision="w8a8", out_dir=tmp_path / "out",
+        )  # fmt: skip
+
+    own = base.verify(request(()), {}, schedule, text_record, compiled, compiled, runner="t")
+    assert own["top1_agreement"] == 1.0 and own["perplexity"]["delta"] == 0.0
+    assert "against_export" not in own
+    record = base.verify(
+        request([tmp_path / "plain"]), {}, schedule, text_record, compiled, compiled, runner="t"
+    )
+    plain = base.reference_logits(base.load_exports([tmp_path / "plain"], "rknn"), schedule, ids)
+    assert record["perplexity"]["reference"] == round(base.perplexity(plain[:24], ids[1:]), 5)
+    assert record["perplexity"]["delta"] != 0.0 and record["cosine"] < 1.0
+    assert record["against_export"]["perplexity"]["delta"] == 0.0
+    assert record["reference"].endswith("before rounding at export")
+    with pytest.raises(NpuforgeError, match="give one per export"):
+        request([tmp_path / "plain", tmp_path / "rounded"])

@@ -25,6 +25,13 @@ def argument_parser():
         help="calibration directory of one --export (quantized precisions); repeatable, "
         "paired with the exports by the variant its calibration.json records",
     )
+    parser.add_argument(
+        "--reference-export",
+        action="append",
+        default=[],
+        help="export directory of the same graphs before rounding at export (GPTQ), one per "
+        "--export: the simulator's figures are measured against it; repeatable",
+    )
     parser.add_argument("--target", required=True, help="target id from targets.yaml")
     parser.add_argument(
         "--target-options", default="{}", help="the target's options from targets.yaml as JSON"
@@ -73,6 +80,7 @@ def main(argv=None):
     request = CompileRequest(
         exports=args.export,
         calibrations=args.calibration,
+        references=args.reference_export,
         target=args.target,
         options=backends.options_of(args.backend, target_options(args), args.target),
         precision=args.precision,

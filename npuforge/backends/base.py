@@ -70,6 +70,9 @@ class CompileRequest:
     precision: str
     out_dir: Path
     calibrations: tuple = ()
+    # The same graphs before rounding at export (GPTQ), one per export: the figures are
+    # measured against them, since the rounded exports' fp32 graphs are no longer the model.
+    references: tuple = ()
     toolchain: Path | None = None
     heldout: Path | None = None
     # The fetched checkpoint: the onnx reference target checks its graphs against it.
@@ -89,10 +92,16 @@ class CompileRequest:
                 f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}"
             )
         paths = {"exports": self.exports, "calibrations": self.calibrations or ()}
+        paths["references"] = self.references or ()
         paths["state_files"] = self.state_files or ()
         for name, value in paths.items():
             object.__setattr__(self, name, tuple(Path(p) for p in value))
         object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.references and len(self.references) != len(self.exports):
+            raise NpuforgeError(
+                f"{len(self.references)} --reference-export directories for "
+                f"{len(self.exports)} --export ones: give one per export"
+            )
 
 
 # --------------------------------------------------------------------------- options
@@ -470,8 +479,24 @@ def verification(
 def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, runner: str,
            reference_label=None) -> dict:  # fmt: skip
     """The figures of ``compiled`` against ``reference`` over the held-out ``text``, with the
-    floors of the request's precision (``floors``: the backend's FLOORS) applied."""
-    return verification(
+    floors of the request's precision (``floors``: the backend's FLOORS) applied.
+
+    With ``request.references`` (exports rounded at export) the gate's reference is those
+    unrounded graphs over the same calls, and ``against_export`` keeps the figures against
+    the build's own fp32 exports: their difference is the rounding at export alone."""
+    against_export = None
+    if request.references:
+        against_export = fidelity(reference, compiled, text["ids"][1:])
+        unrounded = load_exports(request.references, "reference", prefill=True)
+        missing = {call.variant for call in schedule} - set(unrounded)
+        if missing:
+            raise NpuforgeError(
+                f"no {' or '.join(sorted(missing))} export among the --reference-export "
+                "directories: give one per --export"
+            )
+        reference = reference_logits(unrounded, schedule, text["ids"])
+        reference_label = f"{reference_label or reference_name()}, before rounding at export"
+    record = verification(
         fidelity(reference, compiled, text["ids"][1:]),
         floors_for(floors, request.options, request.precision, request.weights),
         schedule=schedule,
@@ -479,6 +504,11 @@ def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, 
         runner=runner,
         reference=reference_label,
     )
+    if against_export is not None:
+        record["against_export"] = {
+            key: against_export[key] for key in ("cosine", "top1_agreement", "perplexity")
+        }
+    return record
 
 
 # Top-1 misses a failed gate's message names (the manifest lists them all).
