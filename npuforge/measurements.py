@@ -441,8 +441,9 @@ def support_matrix(rows, targets: dict, model: str) -> str:
     return table
 
 
-def series_table(rows, name: str) -> str:
-    """A lever table: the rows of one series in data order, their columns as needed."""
+def series_table(rows, name: str, commands: bool = False) -> str:
+    """A lever table: the rows of one series in data order, their columns as needed;
+    with ``commands`` a last column gives the command that reproduces each row."""
     chosen = [row for row in rows if row.get("series") == name]
     if not chosen:
         raise NpuforgeError(f"no data rows of series '{name}'; add them or fix the marker")
@@ -466,6 +467,8 @@ def series_table(rows, name: str) -> str:
         ("date", lambda r: r["date"]),
         ("status", lambda r: r["status"]),
     ]
+    if commands:
+        columns.append(("command", lambda r: f"`{r['command']}`"))
     return markdown_table(
         [title for title, _ in columns], [[cell(r) for _, cell in columns] for r in chosen]
     )
@@ -511,7 +514,8 @@ def render(kind: str, params: dict, data: dict) -> str:
     if kind == "support-matrix":
         return support_matrix(data["builds"], data["targets"], params["model"])
     if kind == "series":
-        return series_table(data["builds"], params["name"])
+        commands = params.get("commands") == "yes"
+        return series_table(data["builds"], params["name"], commands=commands)
     if kind == "bench":
         return bench_table(data["benches"], params["family"])
     raise NpuforgeError(f"unknown table kind '{kind}' (support-matrix, series, bench)")

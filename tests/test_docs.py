@@ -272,3 +272,14 @@ def test_readme_snakemake_command_plans(command, readme_workflow):
         assert result.returncode != 0, output[-3000:]
         assert set(refusals) & set(result.stderr.splitlines()), output[-3000:]
         assert "Job stats" not in output
+
+
+def test_a_series_table_gives_each_rows_command_when_asked():
+    rows = [row("a", series="s", command="snakemake --config model=m"), row("b", series="s")]
+    data = {"builds": rows}
+    plain = measurements.generated_text("<!-- table:series name=s -->\n<!-- /table -->", data)
+    assert "command" not in plain.splitlines()[1]
+    marked = "<!-- table:series name=s commands=yes -->\n<!-- /table -->"
+    lines = measurements.generated_text(marked, data).splitlines()
+    assert lines[1].endswith("| command |")
+    assert lines[3].endswith("| `snakemake --config model=m` |") and lines[4].endswith("| `c` |")
