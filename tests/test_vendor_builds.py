@@ -274,21 +274,28 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
 
 @pytest.mark.slow
 @pytest.mark.toolchain
-def test_trained_smollm2_w16a16i_dfp_passes_the_8bit_gate_on_the_rknn_simulator(
+def test_rotated_twin_w16a16i_dfp_passes_the_8bit_gate_on_the_rknn_simulator(
     smollm2_workflow,
 ):
-    """A quantized build of a trained model, end to end: 16-bit integer matmuls (the rest
-    float16) keep SmolLM2-135M's next-token choices and perplexity on held-out text."""
+    """A quantized build of trained weights on no 4-bit grid, end to end: SmolLM2-135M's
+    permuted twin (made from the download by the permute rule, the stand-in for the
+    bf16/fp16 checkpoints users bring), its residual stream rotated at export, 16-bit
+    integer matmuls (the rest float16) keep its next-token choices and perplexity on
+    held-out text, and the bundle records the rotation."""
     from npuforge.backends.base import TRAINED_FLOORS
 
     reason = toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"})
     if reason:
         pytest.skip(f"rknn in podman: {reason}")
-    workflow = smollm2_workflow
-    select = ("--config", "model=smollm2-135m", "target=RK3588", "precision=w16a16i_dfp")
+    workflow, model = smollm2_workflow, "smollm2-135m-permuted"
+    select = ("--config", f"model={model}", "target=RK3588", "precision=w16a16i_dfp")
     snakemake(workflow, *select, "toolchain_runtime=podman", check=True)
-    bundle = bundle_of(workflow, "RK3588", "w16a16i_dfp", model="smollm2-135m")
-    compiled = check_bundle(bundle)["compile"]
+    bundle = bundle_of(workflow, "RK3588", "w16a16i_dfp", model=model)
+    manifest = check_bundle(bundle)
+    export = manifest["inputs"]["exports"][0]["export"]
+    assert export["options"]["rotate"] == 0
+    assert export["rotation"]["hidden"] == {"kind": "hadamard", "size": 576}
+    compiled = manifest["compile"]
     figures = compiled["verification"]
     assert figures["floors"] == TRAINED_FLOORS["w16a16i_dfp"] and figures["passed"]
     assert figures["positions"] >= 64 and figures["nan_inf"] == 0
