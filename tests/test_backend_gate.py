@@ -97,3 +97,20 @@ def test_a_passing_check_raises_nothing():
     record = _record(reference, reference.copy(), base.TRAINED_FLOORS["fp16"])
     assert record["passed"] and record["top1_agreement"] == 1.0
     base.check_gate("SM8650", "fp16", record, "unused")
+
+
+def test_prefill_and_decode_rows_get_figures_of_their_own():
+    """Two 4-token prefill calls and three decode calls: the prefill rows and the decode
+    rows are scored apart, and the second prefill call (from a carried state) alone."""
+    schedule = [base.Call("prefill", 0, 4), base.Call("prefill", 4, 4)]
+    schedule += [base.Call("decode", p, 1) for p in (8, 9, 10)]
+    reference = np.random.default_rng(0).normal(size=(11, 16))
+    compiled = reference.copy()
+    compiled[9] = -compiled[9]  # one decode row wrong
+    compiled[5] *= 1.5  # a carried-state prefill row scaled: same direction
+    figures = base.variant_figures(schedule, reference, compiled)
+    assert figures["prefill"]["positions"] == 8 and figures["prefill"]["top1_agreement"] == 1.0
+    assert figures["decode"]["positions"] == 3 and figures["decode"]["cosine"] < 0
+    assert figures["prefill_from_state"]["positions"] == 4
+    assert figures["prefill_from_state"]["max_abs_rel"] > 0.0
+    assert base.variant_figures(schedule[2:], reference[8:], compiled[8:]) == {}

@@ -504,11 +504,29 @@ def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, 
         runner=runner,
         reference=reference_label,
     )
+    record.update(variant_figures(schedule, reference, compiled))
     if against_export is not None:
         record["against_export"] = {
             key: against_export[key] for key in ("cosine", "top1_agreement", "perplexity")
         }
     return record
+
+
+def variant_figures(schedule, reference, compiled) -> dict:
+    """With prefill calls: the figures of the prefill rows and of the decode rows apart,
+    and of the prefill calls that started from a carried (not zero) state."""
+    prefill_rows = [call.tokens for call in schedule if call.variant == "prefill"]
+    split = sum(prefill_rows)
+    if not split:
+        return {}
+    figures = {
+        "prefill": fidelity(reference[:split], compiled[:split]),
+        "decode": fidelity(reference[split:], compiled[split:]),
+    }
+    if len(prefill_rows) > 1:
+        first = prefill_rows[0]
+        figures["prefill_from_state"] = fidelity(reference[first:split], compiled[first:split])
+    return figures
 
 
 # Top-1 misses a failed gate's message names (the manifest lists them all).
