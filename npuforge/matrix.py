@@ -118,7 +118,8 @@ def _choose(kind: str, selection, registry: dict, where: str) -> list[str]:
             f"{kind}={','.join(ids)})"
         )
     if ids == ["all"]:
-        return list(registry)
+        # Entries built on request only (seed-size models) are left to be named.
+        return [item for item, entry in registry.items() if not entry.get("on_request")]
     for item in ids:
         if item not in registry:
             raise NpuforgeError(
@@ -286,6 +287,23 @@ def _llama_layer_params(spec: dict) -> int:
     if spec.get("arch") == "qwen3":
         attention += 2 * head_dim
     return attention + 3 * embed * int(spec["intermediate"]) + 2 * embed
+
+
+# Peak memory of writing a synthetic checkpoint, per parameter: every tensor is held
+# until the file is written. Measured (/usr/bin/time, 2026-12-02) on 2-layer cuts of the
+# seed shapes: Qwen2.5-0.5B's (166M parameters, float32) 1.63 GB, RWKV-7 1.5B's (372M,
+# bfloat16) 2.28 GB; 4.5 covers both and a whole model's float32 tensors.
+SYNTHETIC_BYTES_PER_PARAM = 4.5
+# What a download or a copy reserves (it streams).
+FETCH_MEM_MB = 2000
+
+
+def fetch_mem_mb(model: dict) -> int:
+    """What a model's fetch job reserves: a synthetic checkpoint is held whole while it
+    is written (the 1.5B seed shapes: ~7 GB)."""
+    if "synthetic" not in model["source"]:
+        return FETCH_MEM_MB
+    return max(FETCH_MEM_MB, math.ceil(estimate_params(model) * SYNTHETIC_BYTES_PER_PARAM / 1e6))
 
 
 def estimate_params(model: dict) -> int:

@@ -17,6 +17,7 @@ from npuforge.matrix import (
     estimate_params,
     export_key,
     export_variants,
+    fetch_mem_mb,
     make_plan,
     memory_plan,
     parse_selection,
@@ -67,17 +68,19 @@ def test_all_keyword():
         selection(model="all", target="RK3588", precision="all"), MODELS, TARGETS
     )
     # every model gets RK3588's three precisions unless its entry narrows them (llama-tiny
-    # to fp16, smollm2-135m and its permuted twin to fp16 and w16a16i_dfp)
+    # to fp16, smollm2-135m and its permuted twin to fp16 and w16a16i_dfp); models built
+    # on request only are left out
+    everyday = [m for m in MODELS.values() if not m.get("on_request")]
     expected = sum(
         len(model.get("precisions", {}).get("RK3588", TARGETS["RK3588"]["precisions"]))
-        for model in MODELS.values()
+        for model in everyday
     )
     assert len(builds) == expected
     built = [(b.model, b.target, b.precision) for b in builds]
     assert ("llama-tiny", "RK3588", "fp16") in built
     assert ("smollm2-135m", "RK3588", "w16a16i_dfp") in built
     assert ("smollm2-135m", "RK3588", "w8a8") not in built
-    assert len(MODELS) * 3 - expected == 4
+    assert len(everyday) * 3 - expected == 4
 
 
 @pytest.mark.parametrize(
@@ -723,10 +726,51 @@ def test_registry_builds_keep_their_chunks():
             assert {key.split("-")[2] for key in keys} == {"c2" if two else "c1"}
 
 
+# ------------------------------------------------------------------ seed-size shapes
+
+SEEDS = ("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape", "rwkv7-1.5b-shape")
+
+
+def test_models_built_on_request_are_left_out_of_all_and_planned_when_named():
+    assert all(MODELS[seed].get("on_request") for seed in SEEDS)
+    everything = {
+        b.model for b in select_builds(selection(model="all", target="all"), MODELS, TARGETS)
+    }
+    assert everything and not everything & set(SEEDS)
+    plan = make_plan(selection(model="qwen2.5-0.5b-shape", target="SM8650"), MODELS, TARGETS)
+    assert [(b.model, b.precision) for b in plan.builds] == [
+        ("qwen2.5-0.5b-shape", "fp16"),
+        ("qwen2.5-0.5b-shape", "a16w8"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "seed, public",
+    [
+        ("qwen2.5-0.5b-shape", 494_000_000),  # Qwen2.5-0.5B: 0.49B
+        ("qwen2.5-1.5b-shape", 1_540_000_000),  # Qwen2.5-1.5B: 1.54B
+        ("rwkv7-1.5b-shape", 1_500_000_000),  # RWKV-7 World 1.5B
+    ],
+)
+def test_seed_shapes_count_the_public_models_parameters(seed, public):
+    assert "n_params" not in MODELS[seed]["arch"]  # counted from the dimensions
+    assert abs(estimate_params(MODELS[seed]) - public) <= 0.02 * public
+
+
+def test_the_rwkv_estimate_is_close_to_the_checkpoint_layout():
+    from npuforge.models.rwkv import layout
+    from npuforge.models.rwkv.synthetic import make_config
+
+    spec = MODELS["rwkv7-1.5b-shape"]["source"]["synthetic"]
+    config = make_config(7, spec["layers"], spec["embed"], spec["vocab"], spec["head_size"])
+    exact = sum(math.prod(shape) for shape in layout.expected_shapes(config).values())
+    assert abs(estimate_params(MODELS["rwkv7-1.5b-shape"]) - exact) <= 0.01 * exact
+
+
 def test_a_synthetic_llama_is_counted_as_its_checkpoint_is_written(tmp_path):
     from npuforge.models.llama.weights import write_synthetic_checkpoint
 
-    # Qwen2 (QKV bias, tied) at toy width, and an untied llama.
+    # The seed's structure (qwen2: QKV bias, tied) at toy width; and untied llama.
     for spec in (
         dict(arch="qwen2", layers=3, embed=48, heads=6, kv_heads=2, vocab=300,
              intermediate=80, tied=True, seed=0),
@@ -744,3 +788,10 @@ def test_a_synthetic_llama_is_counted_as_its_checkpoint_is_written(tmp_path):
     tiny = copy.deepcopy(MODELS["llama-tiny"])
     recorded = tiny["arch"].pop("n_params")
     assert estimate_params(tiny) == recorded
+
+
+def test_a_synthetic_checkpoints_fetch_reserves_its_tensors():
+    seed = MODELS["qwen2.5-1.5b-shape"]
+    # float32 tensors, held whole while the file is written
+    assert fetch_mem_mb(seed) > estimate_params(seed) * 4 / 1e6
+    assert fetch_mem_mb(MODELS["smollm2-135m"]) == fetch_mem_mb(MODELS["rwkv7-tiny"]) == 2000

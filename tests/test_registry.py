@@ -274,3 +274,12 @@ def test_a_llama_model_of_unknown_size_needs_n_params():
     del bad["smollm2-135m-permuted"]
     del bad["llama-tiny"]["arch"]["n_params"]
     check_registries(bad, targets)
+
+
+def test_on_request_is_a_flag_of_the_model_schema():
+    models, _ = shipped()
+    entry = copy.deepcopy(models["qwen2.5-0.5b-shape"])
+    valid("models", {"x": entry})
+    entry["on_request"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        valid("models", {"x": entry})
