@@ -381,7 +381,6 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
 
     fix = "raise the target's memory_budget_gb or build on a host with more memory"
     most = int(getattr(backend, "MAX_CHUNKS", layers))
-
     fewest = min(layers, policy_chunks(model, export))
     fitting = next((n for n in range(fewest, layers + 1) if need(n) <= budget), None)
     if "chunks" in export:
