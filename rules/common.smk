@@ -208,6 +208,12 @@ def export_mem_mb(model):
     return max(1000, int(estimate_params(MODELS[model]) * 4 * 4 / 1e6))
 
 
+def fetch_mem_mb(model):
+    from npuforge.matrix import fetch_mem_mb as planned
+
+    return planned(MODELS[model])
+
+
 def tokenizer_path(model):
     # None: the registry says the checkpoint has no tokenizer (the manifest records it).
     tokenizer = MODELS[model]["tokenizer"]

@@ -32,7 +32,7 @@ rule compile:
         MAIN_ENV
     threads: lambda w: TARGETS[w.target].get("compile_threads", 1)
     resources:
-        mem_mb=lambda w: TARGETS[w.target].get("compile_mem_mb", 4000),
+        mem_mb=lambda w: PLAN.compile_mem_mb(w.model, w.target, w.precision),
     params:
         code=step_code("compile"),
         options=compile_options,

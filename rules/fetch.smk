@@ -12,7 +12,7 @@ rule fetch:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=2000,
+        mem_mb=lambda w: fetch_mem_mb(w.model),
     params:
         code=step_code("fetch_model", family=fetched_family),
         source=lambda w: as_json(MODELS[w.model]["source"]),
@@ -36,7 +36,7 @@ rule fetch_tree:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=2000,
+        mem_mb=lambda w: fetch_mem_mb(w.model),
     params:
         code=step_code("fetch_model", family=fetched_family),
         source=lambda w: as_json(MODELS[w.model]["source"]),

@@ -1,6 +1,7 @@
 """Build matrix: selection, capability checks, shared exports, chunk planning."""
 
 import copy
+import math
 import subprocess
 import sys
 
@@ -13,11 +14,14 @@ from npuforge.matrix import (
     Build,
     check_toolchains,
     choose_runtimes,
+    estimate_params,
     export_key,
     export_variants,
+    fetch_mem_mb,
     make_plan,
+    memory_plan,
     parse_selection,
-    plan_chunks,
+    policy_chunks,
     select_builds,
 )
 from npuforge.registry import build_options, load_registries
@@ -64,17 +68,19 @@ def test_all_keyword():
         selection(model="all", target="RK3588", precision="all"), MODELS, TARGETS
     )
     # every model gets RK3588's three precisions unless its entry narrows them (llama-tiny
-    # to fp16, smollm2-135m and its permuted twin to fp16 and w16a16i_dfp)
+    # to fp16, smollm2-135m and its permuted twin to fp16 and w16a16i_dfp); models built
+    # on request only are left out
+    everyday = [m for m in MODELS.values() if not m.get("on_request")]
     expected = sum(
         len(model.get("precisions", {}).get("RK3588", TARGETS["RK3588"]["precisions"]))
-        for model in MODELS.values()
+        for model in everyday
     )
     assert len(builds) == expected
     built = [(b.model, b.target, b.precision) for b in builds]
     assert ("llama-tiny", "RK3588", "fp16") in built
     assert ("smollm2-135m", "RK3588", "w16a16i_dfp") in built
     assert ("smollm2-135m", "RK3588", "w8a8") not in built
-    assert len(MODELS) * 3 - expected == 4
+    assert len(everyday) * 3 - expected == 4
 
 
 @pytest.mark.parametrize(
@@ -193,15 +199,12 @@ def test_export_key_covers_every_option():
     assert export_key(dict(base)) == export_key(base)
 
 
-def test_chunk_policy_follows_model_size():
+def test_chunk_policy_sets_the_fewest_chunks_from_the_model_size():
     policy = {"chunk_policy": {"max_chunk_bytes": 1.5e9, "bytes_per_param": 2}}
-    small = MODELS["rwkv7-demo"]
-    assert plan_chunks(small, policy) == 1
+    assert policy_chunks(MODELS["rwkv7-demo"], policy) == 1
     big = {"arch": {"layers": 24, "embed": 2048, "vocab": 65536, "n_params": 1_600_000_000}}
-    assert plan_chunks(big, policy) == 3
-    huge = {"arch": {"layers": 2, "embed": 2048, "vocab": 65536, "n_params": 14_000_000_000}}
-    assert plan_chunks(huge, policy) == 2  # never more chunks than layers
-    assert plan_chunks(big, {"chunks": 4}) == 4
+    assert policy_chunks(big, policy) == 3
+    assert policy_chunks(big, {}) == 1
 
 
 def test_calibration_only_for_quantized_precisions():
@@ -600,3 +603,195 @@ def test_a_build_rounded_at_export_is_measured_against_the_export_before_roundin
         unrounded = {k: v for k, v in options.items() if k != "gptq"}
         assert plan.export_options("smollm2-135m-permuted", reference) == unrounded
     assert plan.reference_keys("smollm2-135m-permuted", "RK3588", "fp16") == []
+
+
+# ------------------------------------------------------------------ memory budget
+
+# An RWKV-7 of 24 layers x 1024: 13.1M parameters per layer (12.5 * 1024^2), a 67.1M
+# token table and as large a head.
+MID = {
+    "family": "rwkv",
+    "version": 7,
+    "source": {"synthetic": {"version": 7, "layers": 24, "embed": 1024, "vocab": 65536,
+                             "head_size": 64, "seed": 0}},
+    "format": "pth",
+    "context_length": 1024,
+    "tokenizer": "rwkv-world",
+    "arch": {"layers": 24, "embed": 1024, "vocab": 65536, "head_size": 64},
+}  # fmt: skip
+MID_LAYER, MID_TABLE = 13_107_200, 67_108_864
+
+
+def budgeted(target_id, gb, **fields):
+    return dict(copy.deepcopy(TARGETS[target_id]), memory_budget_gb=gb, **fields)
+
+
+def heaviest_chunk(layers_in_last, table_in_graph=False):
+    # The exporters' split gives earlier chunks the extra layers: the last chunk, with
+    # the head, is the heaviest when the table is external.
+    return layers_in_last * MID_LAYER + MID_TABLE + (MID_TABLE if table_in_graph else 0)
+
+
+def test_the_plan_takes_the_fewest_chunks_whose_compile_fits_the_budget():
+    from npuforge.backends import qnn, rknn, tpumlir
+
+    # RKNN, 46 bytes/parameter, external table: 2 chunks of 12 layers need 10.3 GB,
+    # one needs 17.6 GB.
+    plan = memory_plan(MID, budgeted("RK3588", 12), "fp16")
+    per_param = rknn.COMPILE_BYTES_PER_PARAM["fp16"]
+    assert plan.chunks == 2 and plan.problem is None
+    assert plan.need_bytes == int(per_param * heaviest_chunk(12))
+    assert per_param * heaviest_chunk(24) > 12e9 >= plan.need_bytes
+    # A smaller budget asks for more chunks (3 of 8 layers: 7.9 GB).
+    assert memory_plan(MID, budgeted("RK3588", 8), "fp16").chunks == 3
+    # QNN: its own figure, the same split.
+    plan = memory_plan(MID, budgeted("SM8650", 8), "fp16")
+    assert plan.chunks == 2
+    assert plan.need_bytes == int(qnn.COMPILE_BYTES_PER_PARAM["fp16"] * heaviest_chunk(12))
+    # TPU-MLIR: the table is in the graph, one chunk.
+    plan = memory_plan(MID, budgeted("BM1684X", 16), "f16")
+    assert plan.chunks == 1 and plan.problem is None
+    whole = heaviest_chunk(24, table_in_graph=True)
+    assert plan.need_bytes == int(tpumlir.COMPILE_BYTES_PER_PARAM["f16"] * whole)
+
+
+def test_a_device_limit_still_asks_for_at_least_its_chunks():
+    # SM8650's chunk_policy (1.5 GB of fp16 weights per HTP context) on 1.6B parameters:
+    # 3 chunks, though a big host budget would fit one.
+    big = dict(MID, arch=dict(MID["arch"], n_params=1_600_000_000))
+    assert memory_plan(big, budgeted("SM8650", 1000), "fp16").chunks == 3
+
+
+def test_the_compile_job_reserves_what_its_plan_needs_above_the_targets_floor():
+    models = dict(MODELS, mid=MID)
+    targets = dict(TARGETS, RK3588=budgeted("RK3588", 12))
+    plan = make_plan(selection(model="mid,rwkv7-demo", target="RK3588"), models, targets)
+    need = plan.memory[("mid", "RK3588", "fp16")].need_bytes
+    assert need > TARGETS["RK3588"]["compile_mem_mb"] * 1e6
+    assert plan.compile_mem_mb("mid", "RK3588", "fp16") == math.ceil(need / 1e6)
+    # The demo needs less than the floor: the floor is reserved.
+    assert plan.memory[("rwkv7-demo", "RK3588", "fp16")].need_bytes < 1e9
+    assert plan.compile_mem_mb("rwkv7-demo", "RK3588", "fp16") == 8000
+    assert [k.split("-")[2] for k in plan.export_keys("mid", "RK3588", "fp16")] == ["c2"]
+
+
+def refusal(model, target_id, target, precision):
+    models, targets = dict(MODELS, mid=model), dict(TARGETS, **{target_id: target})
+    config = selection(model="mid", target=target_id, precision=precision)
+    with pytest.raises(NpuforgeError) as err:
+        make_plan(config, models, targets)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"model mid on {target_id} ({precision}): ")
+    return message
+
+
+def test_a_layer_alone_over_the_budget_stops_the_plan_in_one_line():
+    # One layer and the head: 80.2M parameters, 3.7 GB at 46 bytes each; the fp32
+    # reference (3.1 GB) fits 3.2 GB.
+    message = refusal(MID, "RK3588", budgeted("RK3588", 3.2), "fp16")
+    assert "one layer with the head" in message
+    assert "about 3.7 GB" in message and "memory_budget_gb of 3.2" in message
+    assert message.endswith(
+        "raise the target's memory_budget_gb or build on a host with more memory"
+    )
+    # Under 3.1 GB the reference run over the whole export is what cannot fit.
+    message = refusal(MID, "RK3588", budgeted("RK3588", 3), "fp16")
+    assert "reference run holds the whole export, about 3.1 GB" in message
+
+
+def test_explicit_chunks_win_and_are_refused_when_they_break_the_budget():
+    fixed = dict(MID, export={"chunks": 4})
+    assert memory_plan(fixed, budgeted("RK3588", 12), "fp16").chunks == 4
+    message = refusal(dict(MID, export={"chunks": 1}), "RK3588", budgeted("RK3588", 12), "fp16")
+    assert "export.chunks: 1 makes its compile job need about 17.6 GB" in message
+    assert "memory_budget_gb of 12" in message and "the plan takes 2" in message
+
+
+def test_tpumlir_refuses_a_build_that_needs_more_than_one_chunk():
+    message = refusal(MID, "BM1684X", budgeted("BM1684X", 8), "f16")
+    assert "2 layer chunks are needed to stay within memory_budget_gb 8" in message
+    assert "the tpumlir backend builds exports of at most 1 chunk(s) so far" in message
+    message = refusal(dict(MID, export={"chunks": 2}), "BM1684X", budgeted("BM1684X", 16), "f16")
+    assert "export.chunks is 2" in message
+
+
+def test_registry_builds_keep_their_chunks():
+    # SmolLM2 (6.2 GB in one chunk at RKNN's 46 bytes/parameter) keeps the two chunks its
+    # measured RKNN builds have; everything else in the registry is one chunk.
+    for precision in ("", "all"):
+        plan = make_plan(selection(model="all", target="all", precision=precision), MODELS, TARGETS)
+        for (model, target, _), keys in plan.target_exports.items():
+            two = model.startswith("smollm2-135m") and TARGETS[target]["backend"] == "rknn"
+            assert {key.split("-")[2] for key in keys} == {"c2" if two else "c1"}
+
+
+# ------------------------------------------------------------------ seed-size shapes
+
+SEEDS = ("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape", "rwkv7-1.5b-shape")
+
+
+def test_models_built_on_request_are_left_out_of_all_and_planned_when_named():
+    assert all(MODELS[seed].get("on_request") for seed in SEEDS)
+    everything = {
+        b.model for b in select_builds(selection(model="all", target="all"), MODELS, TARGETS)
+    }
+    assert everything and not everything & set(SEEDS)
+    plan = make_plan(selection(model="qwen2.5-0.5b-shape", target="SM8650"), MODELS, TARGETS)
+    assert [(b.model, b.precision) for b in plan.builds] == [
+        ("qwen2.5-0.5b-shape", "fp16"),
+        ("qwen2.5-0.5b-shape", "a16w8"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "seed, public",
+    [
+        ("qwen2.5-0.5b-shape", 494_000_000),  # Qwen2.5-0.5B: 0.49B
+        ("qwen2.5-1.5b-shape", 1_540_000_000),  # Qwen2.5-1.5B: 1.54B
+        ("rwkv7-1.5b-shape", 1_500_000_000),  # RWKV-7 World 1.5B
+    ],
+)
+def test_seed_shapes_count_the_public_models_parameters(seed, public):
+    assert "n_params" not in MODELS[seed]["arch"]  # counted from the dimensions
+    assert abs(estimate_params(MODELS[seed]) - public) <= 0.02 * public
+
+
+def test_the_rwkv_estimate_is_close_to_the_checkpoint_layout():
+    from npuforge.models.rwkv import layout
+    from npuforge.models.rwkv.synthetic import make_config
+
+    spec = MODELS["rwkv7-1.5b-shape"]["source"]["synthetic"]
+    config = make_config(7, spec["layers"], spec["embed"], spec["vocab"], spec["head_size"])
+    exact = sum(math.prod(shape) for shape in layout.expected_shapes(config).values())
+    assert abs(estimate_params(MODELS["rwkv7-1.5b-shape"]) - exact) <= 0.01 * exact
+
+
+def test_a_synthetic_llama_is_counted_as_its_checkpoint_is_written(tmp_path):
+    from npuforge.models.llama.weights import write_synthetic_checkpoint
+
+    # The seed's structure (qwen2: QKV bias, tied) at toy width; and untied llama.
+    for spec in (
+        dict(arch="qwen2", layers=3, embed=48, heads=6, kv_heads=2, vocab=300,
+             intermediate=80, tied=True, seed=0),
+        dict(arch="llama", layers=2, embed=32, heads=4, kv_heads=4, vocab=100,
+             intermediate=64, seed=0),
+    ):  # fmt: skip
+        model = {
+            "family": "llama",
+            "source": {"synthetic": spec},
+            "arch": {k: spec[k] for k in ("layers", "embed", "vocab")},
+        }
+        written = write_synthetic_checkpoint(tmp_path / spec["arch"], **spec)
+        assert estimate_params(model) == written["n_params"]
+    # llama-tiny's recorded count, from its dimensions alone
+    tiny = copy.deepcopy(MODELS["llama-tiny"])
+    recorded = tiny["arch"].pop("n_params")
+    assert estimate_params(tiny) == recorded
+
+
+def test_a_synthetic_checkpoints_fetch_reserves_its_tensors():
+    seed = MODELS["qwen2.5-1.5b-shape"]
+    # float32 tensors, held whole while the file is written
+    assert fetch_mem_mb(seed) > estimate_params(seed) * 4 / 1e6
+    assert fetch_mem_mb(MODELS["smollm2-135m"]) == fetch_mem_mb(MODELS["rwkv7-tiny"]) == 2000

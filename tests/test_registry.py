@@ -246,3 +246,40 @@ def test_permuted_twin_names_a_llama_model_with_its_own_checkpoint():
     bad["source"]["permuted"]["seed"] = -1
     with pytest.raises(jsonschema.ValidationError):
         valid("models", {"t": bad})
+
+
+def test_every_target_has_a_memory_budget_and_its_backend_a_compile_cost():
+    from npuforge import backends
+
+    _, targets = shipped()
+    for target_id, target in targets.items():
+        assert target["memory_budget_gb"] > 0, target_id
+        costs = backends.get(target["backend"]).COMPILE_BYTES_PER_PARAM
+        assert set(target["precisions"]) <= set(costs), target_id
+    entry = copy.deepcopy(targets["RK3588"])
+    del entry["memory_budget_gb"]
+    with pytest.raises(jsonschema.ValidationError, match="'memory_budget_gb' is a required"):
+        valid("targets", {"X": entry})
+
+
+def test_a_llama_model_of_unknown_size_needs_n_params():
+    models, targets = shipped()
+    bad = copy.deepcopy(models)
+    del bad["smollm2-135m"]["arch"]["n_params"]
+    with pytest.raises(NpuforgeError, match="model smollm2-135m: set arch.n_params") as err:
+        check_registries(bad, targets)
+    assert "\n" not in str(err.value)
+    # A synthetic llama is counted from its source's dimensions.
+    del bad["smollm2-135m"]
+    del bad["smollm2-135m-permuted"]
+    del bad["llama-tiny"]["arch"]["n_params"]
+    check_registries(bad, targets)
+
+
+def test_on_request_is_a_flag_of_the_model_schema():
+    models, _ = shipped()
+    entry = copy.deepcopy(models["qwen2.5-0.5b-shape"])
+    valid("models", {"x": entry})
+    entry["on_request"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        valid("models", {"x": entry})

@@ -20,7 +20,7 @@ from npuforge.backends import rknn
 from npuforge.backends.base import CompileRequest
 from npuforge.errors import NpuforgeError
 
-RK3588 = {"target_platform": "rk3588", "optimization_level": 3, "memory_budget_gb": 8}
+RK3588 = {"target_platform": "rk3588", "optimization_level": 3}
 
 
 def options(mapping) -> rknn.Options:
@@ -255,11 +255,7 @@ def test_staging_hides_where_inputs_and_toolchain_live(tmp_path):
     assert stages[0] == stages[1]
 
 
-def test_plan_chunks_and_precision_checks():
-    # 46 bytes/param: 25M params ~ 1.2 GB; a 0.45B model needs 3 chunks in 8 GB.
-    assert rknn.plan_chunks(25_000_000, "fp16", 8) == 1
-    assert rknn.plan_chunks(450_000_000, "fp16", 8) == 3
-    assert rknn.plan_chunks(450_000_000, "fp16", 2) == 11
+def test_precision_checks():
     rknn.check_precision("RK3588", options(RK3588), "w16a16i_dfp")
     with pytest.raises(NpuforgeError, match="cannot build precision 'w16a16i_dfp'"):
         rknn.check_precision("RK3576", options({"target_platform": "rk3576"}), "w16a16i_dfp")
@@ -335,10 +331,6 @@ def test_failed_job_leaves_no_artifact_and_one_line(export_dir, tmp_path):
         compile_rknn([export_dir], None, "RK3588", RK3588, "w8a8", stamp, out)
     with pytest.raises(NpuforgeError, match="toolchain stamp .* is missing"):
         compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", tmp_path / "no", out)
-    with pytest.raises(NpuforgeError, match="memory budget"):
-        compile_rknn(
-            [export_dir], None, "RK3588", {**RK3588, "memory_budget_gb": 1e-6}, "fp16", stamp, out
-        )
     assert not out.exists()
 
 

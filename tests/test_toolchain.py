@@ -142,6 +142,8 @@ def test_failed_job_raises_its_error_line(tmp_path):
         ("podman", 128 + signal.SIGSEGV, "crashed (signal SIGSEGV)"),
         # natively, 139 is only an exit code
         ("native", 128 + signal.SIGSEGV, "failed in the native toolchain: compiling"),
+        # the OOM killer's signal: smaller chunks are the fix the plan can make
+        ("native", -signal.SIGKILL, "lower the target's memory_budget_gb in targets.yaml"),
     ],
 )
 def test_a_job_ended_by_a_signal_is_named(runtime, returncode, says):

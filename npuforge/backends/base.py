@@ -55,6 +55,11 @@ TRAINED_FLOORS = {
 }
 WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
+# Host memory per parameter of the fp32 exports that a compile step's own reference run
+# (reference_logits: onnxruntime CPU, every chunk and variant at once) holds, for the
+# chunk planner (npuforge.matrix.memory_plan). Not measured yet: the weights (4 bytes)
+# and one more copy as onnxruntime may pre-pack MatMul weights, so 8.
+REFERENCE_BYTES_PER_PARAM = 8.0
 
 
 # --------------------------------------------------------------------------- request

@@ -23,6 +23,11 @@ NAME = "onnx"
 PRECISIONS = ("fp32",)
 # The export must compute what the checkpoint's own implementation computes.
 FLOORS = {"fp32": {"min_cosine": 0.9999, "min_top1": 0.99, "max_perplexity_delta": 0.001}}
+# Host memory the compile step takes per parameter of a chunk (npuforge.matrix plans
+# chunks and reserves memory from it). Not measured yet, so taken high: the family's
+# reference holds the checkpoint in float32 (4 bytes, more while transformers loads it)
+# and onnxruntime the graphs (4, and a pre-packed copy): 16.
+COMPILE_BYTES_PER_PARAM = {"fp32": 16.0}
 
 
 # Target options the toolchain's preparation and checks read (npuforge.toolchain).

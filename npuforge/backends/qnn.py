@@ -61,6 +61,13 @@ MIN_HTP_ARCH = {"a16w8": 68, "fp16": 69, "a16w4": 73}
 CONTEXT_WEIGHT_BUDGET = 1_500_000_000
 BYTES_PER_PARAM = {"fp16": 2.0, "a16w8": 1.0, "a16w4": 0.5}
 
+# Host memory a compile takes per parameter of a chunk (npuforge.matrix plans chunks and
+# reserves memory from it). Not measured by npuforge yet: the design notes' single figure
+# (a 0.45B RWKV-7 fp16 decode graph in one context, ~5 GB peak, ~11 bytes/parameter) was
+# not re-checked here, and the quantized precisions also build a QDQ model beside the
+# float one; taken at about twice that until bench/bench_qnn.py measures each precision.
+COMPILE_BYTES_PER_PARAM = {"fp16": 24.0, "a16w8": 24.0, "a16w4": 24.0}
+
 # The simulator check's floors against onnxruntime fp32 (see npuforge.backends.base).
 FLOORS = {
     "fp16": {"min_cosine": 0.9999},

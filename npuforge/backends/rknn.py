@@ -48,9 +48,10 @@ FLOORS = {
     "w16a16i": {"min_cosine": 0.9999},
     "w16a16i_dfp": {"min_cosine": 0.9999},
 }
-# Peak compile memory per parameter, measured by bench/bench_rknn.py: 0.93 GB peak
-# RSS for a 20.3M-parameter RWKV-7 chunk, fp16 (46 bytes/param, the toolkit's own
-# ~0.4 GB baseline included, so larger chunks come out conservative).
+# Peak compile memory per parameter of a chunk, measured by bench/bench_rknn.py: 0.93 GB
+# peak RSS for a 20.3M-parameter RWKV-7 chunk, fp16 (46 bytes/param, the toolkit's own
+# ~0.4 GB baseline included, so larger chunks come out conservative). npuforge.matrix
+# plans the chunks and reserves memory from it.
 COMPILE_BYTES_PER_PARAM = {"fp16": 46.0, "w8a8": 46.0, "w16a16i": 46.0, "w16a16i_dfp": 46.0}
 # rknn-toolkit2 2.5.0 ships cp36..cp312 wheels for x86_64 and aarch64 Linux.
 PYTHONS = ((3, 6), (3, 12))
@@ -72,8 +73,6 @@ class Options(base.CommonOptions):
 
     target_platform: str
     optimization_level: int = 3
-    # Compile memory one chunk may take; the export must have enough chunks.
-    memory_budget_gb: float = 8.0
     quantized_algorithm: str = "normal"
     # Hybrid quantization: {precision: {op_types: [...]} or {except_op_types: [...]}}.
     float16: dict | None = None
@@ -174,15 +173,6 @@ def float16_selection(options: Options, precision: str) -> dict | None:
     return selection
 
 
-def plan_chunks(n_params: int, precision: str, memory_budget_gb: float) -> int:
-    """Layer chunks so that one chunk's compile fits ``memory_budget_gb``."""
-    per_param = COMPILE_BYTES_PER_PARAM.get(precision, max(COMPILE_BYTES_PER_PARAM.values()))
-    budget = float(memory_budget_gb) * 1e9
-    if budget <= 0:
-        raise NpuforgeError("memory_budget_gb must be positive")
-    return max(1, math.ceil(n_params * per_param / budget))
-
-
 def unavailable_reason(runtime: str, options: Options) -> str | None:
     """Why rknn jobs cannot run here (one line), or None. Cheap: no imports, no processes."""
     if runtime == "native":
@@ -281,16 +271,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     stamp = base.read_toolchain(request.toolchain, NAME)
 
     n_params = _param_count(export)
-    budget_gb = float(options.memory_budget_gb)
-    needed = plan_chunks(n_params, precision, budget_gb)
     chunks = len(export.graphs)
-    if chunks < needed:
-        raise NpuforgeError(
-            f"{n_params / 1e6:.0f}M parameters in {chunks} chunk(s) need about "
-            f"{n_params * COMPILE_BYTES_PER_PARAM[precision] / chunks / 1e9:.1f} GB per compile, "
-            f"over the {budget_gb:g} GB memory budget: export at least {needed} chunks "
-            "(targets.yaml chunk_policy) or raise memory_budget_gb"
-        )
     exports = {"decode": export}
     schedule = base.verification_schedule(exports, options.verify_steps)
     steps = len(schedule)
@@ -407,11 +388,10 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "chunks": chunks,
                 "layers": [g.get("layers") for g in export.graphs],
                 "parameters": n_params,
-                "chunks_needed_for_budget": needed,
                 "reason": (
-                    f"memory budget {budget_gb:g} GB at ~{COMPILE_BYTES_PER_PARAM[precision]:g} "
-                    f"bytes/parameter of compile memory: at least {needed} chunk(s); export has "
-                    f"{chunks}"
+                    "export chunks: npuforge.matrix plans them so each compile fits the "
+                    f"target's memory_budget_gb at ~{COMPILE_BYTES_PER_PARAM[precision]:g} "
+                    "bytes/parameter"
                 ),
             },
             "toolchain": base.toolchain_record(stamp),

@@ -60,6 +60,15 @@ PROCESSORS = ("bm1684x", "bm1688")
 # logits as [tokens, vocab]), so a batch-2 bmodel would go out unverified: refused
 # when the matrix is planned (npuforge.matrix.check_batch).
 MAX_BATCH = 1
+# A bmodel net is one graph (check_exports): the planner refuses a build whose compile
+# would need more layer chunks to fit its memory budget (npuforge.matrix.memory_plan).
+MAX_CHUNKS = 1
+# Host memory a compile takes per parameter of the export (npuforge.matrix plans and
+# reserves memory from it). Not measured yet, so taken high: each TPU-MLIR tool holds a
+# few float32 copies of a net's weights (the ONNX graph, the MLIR weight file, the
+# reference run's), and the decode and prefill nets compile side by side: 4 bytes x 4
+# copies x 2 nets = 32, for every precision until each is measured.
+COMPILE_BYTES_PER_PARAM = dict.fromkeys(("f16", "bf16", "int8", "w8f16", "w4f16"), 32.0)
 # model_deploy.py's own --tolerance defaults per --quantize (tpu_mlir 1.30.2,
 # ModelDeploy.__init__): "cos,euclid" floors for every tensor it compares.
 DEFAULT_TOLERANCE = {
@@ -230,7 +239,7 @@ def tolerance(options: Options, precision: str) -> str:
 def check_exports(exports: dict) -> None:
     """A bmodel net is one static graph that looks up its own embedding."""
     for export in exports.values():
-        if len(export.graphs) != 1:
+        if len(export.graphs) > MAX_CHUNKS:
             raise NpuforgeError(
                 f"{export.dir}: TPU-MLIR takes one graph per variant, this export has "
                 f"{len(export.graphs)} chunks: set export.chunks: 1 for the target"

@@ -191,9 +191,10 @@ def job_failure(stamp: dict, returncode: int, output: str, log_path=None) -> str
     if memory or name == "SIGKILL":
         said = memory[-1] if memory else "killed by SIGKILL, as the kernel's OOM killer does"
         return (
-            f"{what} ran out of memory in the {stamp['runtime']} toolchain ({said}); raise the "
-            "target's compile_mem_mb in targets.yaml (the memory its compile jobs reserve) and "
-            f"build where that much is free, or run fewer jobs at once (--cores){where}"
+            f"{what} ran out of memory in the {stamp['runtime']} toolchain ({said}); lower the "
+            "target's memory_budget_gb in targets.yaml so the plan cuts smaller chunks, raise "
+            "its compile_mem_mb (the least its compile jobs reserve) and build where that much "
+            f"is free, or run fewer jobs at once (--cores){where}"
         )
     if name == "SIGTERM":
         return (
