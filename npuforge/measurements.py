@@ -395,9 +395,25 @@ def pair_status(rows, model, target, precision) -> tuple[str, dict | None]:
     return f"**fails**; best of {tried} builds: {best['setting']}", best
 
 
-def support_matrix(rows, targets: dict, model: str) -> str:
+# Precisions whose weights are floats: the permuted twin judges only integer ones.
+FLOAT_PRECISIONS = ("fp32", "fp16", "f16", "bf16")
+
+
+def twin_status(rows, twin: str, target: str, precision: str) -> str:
+    """What an integer precision that passes on a model did on its permuted ``twin``
+    (the same function off a quantized source's grid): a pass counts only on both."""
+    measured = _vendor_rows(rows, twin, target, precision)
+    if not measured:
+        return "passes; its permuted twin not measured"
+    if any(r["figures"].get("passed") for r in measured):
+        return "passes, on its permuted twin too"
+    return "**fails** on its permuted twin (passes on these weights only): not built"
+
+
+def support_matrix(rows, targets: dict, model: str, twin: str | None = None) -> str:
     """SoC x precision x status on ``model``: every registry target but the reference, in
-    registry order; targets never measured on the model share one line per backend."""
+    registry order; targets never measured on the model share one line per backend. With
+    ``twin``, an integer precision's pass says what it did on the permuted twin."""
     body, unmeasured = [], {}
     for target, entry in targets.items():
         backend = entry.get("backend")
@@ -412,6 +428,8 @@ def support_matrix(rows, targets: dict, model: str) -> str:
             continue
         for precision in precisions:
             status, row = pair_status(rows, model, target, precision)
+            if twin and status == "passes" and precision not in FLOAT_PRECISIONS:
+                status = twin_status(rows, twin, target, precision)
             figures = row["figures"] if row else {}
             measured = f"{row['date']}, {figures.get('positions')} positions" if row else "–"
             body.append(
@@ -512,7 +530,7 @@ MARKER = re.compile(
 
 def render(kind: str, params: dict, data: dict) -> str:
     if kind == "support-matrix":
-        return support_matrix(data["builds"], data["targets"], params["model"])
+        return support_matrix(data["builds"], data["targets"], params["model"], params.get("twin"))
     if kind == "series":
         commands = params.get("commands") == "yes"
         return series_table(data["builds"], params["name"], commands=commands)

@@ -81,14 +81,21 @@ def test_support_matrix_states_come_from_the_data():
     assert "`block_centres`" in status("SM8650", "a16w4")[0]
     assert "`group_offsets`" in status("BM1688", "w4f16")[0]
     text, best = status("RK3588", "w8a8")
-    assert text.startswith("**fails**") and best["figures"]["top1"] == 0.875
+    assert text.startswith("**fails**") and best["figures"]["top1"] == 0.969
     assert status("BM1688", "int8")[1]["figures"]["perplexity_delta"] == pytest.approx(0.0877)
     assert status("BM1684X", "int8") == ("not measured", None)
-    # The smollm2-135m entry builds what passes and nothing else.
+    # The smollm2-135m entry builds what passes, on its permuted twin too where measured
+    # (integer precisions), and nothing else.
     model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["smollm2-135m"]
+    twin = "smollm2-135m-permuted"
+    assert status("SM8650", "a16w8")[0] == "passes"
+    assert measurements.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
     for target, precisions in model["precisions"].items():
         for precision in data["targets"][target]["precisions"]:
             passes = status(target, precision)[0].startswith("passes")
+            if passes and precision not in measurements.FLOAT_PRECISIONS:
+                on_twin = measurements.twin_status(data["builds"], twin, target, precision)
+                passes = not on_twin.startswith("**fails")
             assert passes == (precision in precisions), (target, precision)
 
 
@@ -283,3 +290,27 @@ def test_a_series_table_gives_each_rows_command_when_asked():
     lines = measurements.generated_text(marked, data).splitlines()
     assert lines[1].endswith("| command |")
     assert lines[3].endswith("| `snakemake --config model=m` |") and lines[4].endswith("| `c` |")
+
+
+def test_an_integer_pass_counts_only_if_the_permuted_twin_passes_too():
+    """The support matrix says what an integer precision that passes on the model did on
+    its permuted twin; float precisions and 4-bit-exact levers are left as they are."""
+    rows = [
+        row("m8", model="m", precision="a16w8"),
+        row("t8", model="twin", precision="a16w8", figures={"top1": 0.89, "passed": False}),
+        row("m16", model="m", precision="w16"),
+        row("t16", model="twin", precision="w16"),
+        row("mw8", model="m", precision="w8f16"),
+        row("mf", model="m", precision="fp16"),
+    ]
+    targets = {
+        "T": {"backend": "qnn", "precisions": dict.fromkeys(["a16w8", "w16", "w8f16", "fp16"])}
+    }
+    table = measurements.support_matrix(rows, targets, "m", twin="twin").splitlines()
+    status = {line.split(" | ")[1]: line.split(" | ")[2] for line in table[2:]}
+    assert status["a16w8"].startswith("**fails** on its permuted twin")
+    assert status["w16"] == "passes, on its permuted twin too"
+    assert status["w8f16"] == "passes; its permuted twin not measured"
+    assert status["fp16"] == "passes"
+    plain = measurements.support_matrix(rows, targets, "m").splitlines()
+    assert all(" | passes | " in line for line in plain[2:])
