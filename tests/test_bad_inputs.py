@@ -144,6 +144,7 @@ CASES = {
                     "precisions": {"fp16": {}},
                     "default_precisions": ["fp16"],
                     "export": {"variants": ["decode"], "dtype": "fp32"},
+                    "memory_budget_gb": 8,
                 }
             }
         },
@@ -471,7 +472,7 @@ RUN_CASES = {
             "format": "gguf",
             "context_length": 64,
             "tokenizer": "none",
-            "arch": {"layers": 1, "embed": 4, "vocab": 8},
+            "arch": {"layers": 1, "embed": 4, "vocab": 8, "n_params": 96},
         },
         "says": "mamba",
     },
