@@ -249,9 +249,10 @@ def parameter_counts(model: dict) -> dict:
 
     With arch.n_params, every parameter but the token table is spread over the layers
     (exact for a tied head; an untied one is then counted twice, which errs high). Else
-    counted from the dimensions: RWKV about 12.5 * embed^2 per layer (r, k, v, o, the 4x
-    channel mix and the small LoRAs); a synthetic llama exactly, tensor by tensor as
-    npuforge.models.llama.weights.write_synthetic_checkpoint writes them.
+    counted from the dimensions: a synthetic llama exactly, tensor by tensor as
+    npuforge.models.llama.weights.write_synthetic_checkpoint writes them; anything else
+    about 12.5 * embed^2 per layer (RWKV's r, k, v, o, 4x channel mix and small LoRAs; a
+    downloaded llama's FFN width is not in the registry, so this is a guess).
     """
     arch = model["arch"]
     layers, table = int(arch["layers"]), int(arch["vocab"]) * int(arch["embed"])
@@ -259,16 +260,11 @@ def parameter_counts(model: dict) -> dict:
         total = int(arch["n_params"])
         per_layer = math.ceil(max(0, total - table) / layers)
         return {"embedding": table, "per_layer": per_layer, "head": table, "total": total}
-    if model["family"] == "rwkv":
+    spec = model["source"].get("synthetic") if model["family"] == "llama" else None
+    if not spec:
         per_layer = 12.5 * int(arch["embed"]) ** 2
         total = int(2 * table + layers * per_layer)
         return {"embedding": table, "per_layer": int(per_layer), "head": table, "total": total}
-    spec = model["source"].get("synthetic")
-    if not spec:
-        raise NpuforgeError(
-            "a llama model's size cannot be counted from layers, embed and vocab alone: "
-            "set arch.n_params"
-        )
     per_layer = _llama_layer_params(spec)
     head = table + int(spec["embed"])  # lm_head (tied or not) and the final norm
     total = layers * per_layer + head + (0 if spec.get("tied", False) else table)

@@ -161,12 +161,6 @@ def check_registries(models: dict, targets: dict) -> None:
         permuted = model["source"].get("permuted")
         if permuted:
             check_permuted_source(model_id, model, models)
-        if model["family"] == "llama" and not synthetic_llama and "n_params" not in model["arch"]:
-            # The chunk planner needs the size while the workflow parses.
-            raise NpuforgeError(
-                f"model {model_id}: set arch.n_params (the checkpoint's parameter count); a "
-                "llama model's size cannot be counted from layers, embed and vocab alone"
-            )
         if model["tokenizer"] == "hf" and model["format"] not in ("hf", "gguf"):
             raise NpuforgeError(
                 f"model {model_id}: tokenizer hf ships the checkpoint's tokenizer.json, which a "
