@@ -77,7 +77,46 @@ def run_cli(main, argv=None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def resources_line(started: float) -> str:
+    """What the step used, for its log (bench/bench_scale.py reads it): wall seconds and
+    the peak resident memory of the step's own process and of the largest process it ran
+    and waited for (a toolchain job; a container's processes belong to its runtime and are
+    not counted)."""
+    import resource
+    import time
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return (
+        f"{STEP_RESOURCES} {time.monotonic() - started:.1f} s wall, peak RSS "
+        f"{own:.0f} MB (step), {child:.0f} MB (largest process it ran)"
+    )
+
+
+# The prefix of the line every step that finishes writes last to its log.
+STEP_RESOURCES = "step resources:"
+
+
+def read_step_resources(log_text: str) -> dict | None:
+    """The figures of a log's last resources line: ``seconds``, ``step_rss_mb`` and
+    ``child_rss_mb``; None if the step did not finish."""
+    import re
+
+    pattern = (
+        re.escape(STEP_RESOURCES) + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
+        r"(\d+) MB \(largest process it ran\)"
+    )
+    found = re.findall(pattern, log_text)
+    if not found:
+        return None
+    seconds, own, child = found[-1]
+    return {"seconds": float(seconds), "step_rss_mb": int(own), "child_rss_mb": int(child)}
+
+
 def _run_main(main, argv) -> int:
+    import time
+
+    started = time.monotonic()
     try:
         main(argv)
     except NpuforgeError as err:
@@ -94,4 +133,5 @@ def _run_main(main, argv) -> int:
             raise
         where = f"{refused.filename}: " if refused.filename else ""
         return fail(f"{where}{refused.strerror}; {OS_FIXES[refused.errno]}")
+    print(resources_line(started), file=sys.stderr)
     return 0

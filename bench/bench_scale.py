@@ -1,0 +1,279 @@
+"""Where a build's time and memory go as the model grows: each step's wall time, peak
+memory and bytes written, per model size, and how each grows with the parameter count.
+
+Builds each model (default: SmolLM2-135M, then the Qwen2.5-0.5B and 1.5B shapes, which
+are built on request only) for the given targets and precisions with the workflow, the
+toolchains run natively so that a compile's processes are the step's own children, then
+prints, per model, every step the build ran:
+
+  wall s       the step's wall time (from its log's resources line, npuforge.cli)
+  step MB      peak RSS of the step's own process
+  child MB     peak RSS of the largest process the step ran (a toolchain job)
+  written      bytes of the step's outputs
+
+and a side-by-side table of the steps every model ran, with the growth exponent of wall
+time and peak memory between consecutive sizes (1.0: linear in parameters). A step kept
+in the machine cache from an earlier build (export, calibration) has no log line in a
+fresh results directory: pass a fresh --results to measure everything.
+
+    python bench/bench_scale.py [--models smollm2-135m,qwen2.5-0.5b-shape]
+                                [--targets onnx,RK3588] [--precisions fp16]
+                                [--verify-steps 16] [--results /tmp/npuforge-bench-scale]
+                                [--record docs/data/benches.yaml]
+
+--verify-steps overrides every model's verification length (positions checked on the
+simulators), which dominates the wall time of the larger models' compile steps. A build
+that fails still reports what its finished steps measured.
+"""
+
+import argparse
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from npuforge.cli import read_step_resources  # noqa: E402
+
+# Where each step writes, relative to the results directory, from what follows
+# logs/<step>/ in its log's path (``rest``, without .log): rules/*.smk's outputs.
+STEP_OUTPUTS = {
+    "fetch": ["models/{model}/checkpoint.{fmt}", "models/{model}/checkpoint.{fmt}.json"],
+    "dequantize": ["models/{rest}/dequantized.hf", "models/{rest}/dequantized.hf.json"],
+    "permute": ["models/{rest}/permuted.hf", "models/{rest}/permuted.hf.json"],
+    "export": ["export/{rest}"],
+    "calibrate": ["calibration/{rest}"],
+    "compile": ["compile/{rest}"],
+    "verify": ["verify/{rest}.json"],
+    "package": ["release/{rest}", "release/{rest}.tar.gz"],
+    "heldout": ["heldout/{rest}.json"],
+}
+# Steps run once per export key are summed per model (time, bytes) or maxed (memory).
+PER_KEY_STEPS = ("export", "calibrate", "verify")
+
+
+def build_command(args, model: str, results: Path, overlay: Path | None) -> list[str]:
+    command = [sys.executable, "-m", "snakemake", "--cores", str(args.cores), "--keep-going"]
+    if overlay:
+        command += ["--configfile", str(overlay)]
+    return command + [
+        "--config",
+        f"model={model}",
+        f"target={args.targets}",
+        f"precision={args.precisions}",
+        f"results={results}",
+        "toolchain_runtime=native",
+    ]
+
+
+def write_overlay(args, models: list[str]) -> Path | None:
+    if args.verify_steps is None:
+        return None
+    import yaml
+
+    overlay = args.results / "verify-steps.yaml"
+    overlay.parent.mkdir(parents=True, exist_ok=True)
+    body = {"models": {model: {"verify_steps": args.verify_steps} for model in models}}
+    overlay.write_text(yaml.safe_dump(body, sort_keys=False))
+    return overlay
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes under ``path`` (a file or a directory), following the machine cache's links."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for item in path.rglob("*"):
+        if item.is_file():
+            total += item.stat().st_size
+    return total
+
+
+def written_bytes(results: Path, step: str, rest: str, model: str) -> int:
+    fmt = rest[len(model) + 1 :] if step == "fetch" else ""
+    total = 0
+    for pattern in STEP_OUTPUTS.get(step, []):
+        path = results / pattern.format(rest=rest, model=model, fmt=fmt)
+        if path.exists():
+            total += tree_bytes(path)
+    return total
+
+
+def step_rows(results: Path, model: str) -> list[dict]:
+    """Every finished step of ``model`` in ``results``: its log's resources line and the
+    bytes of its outputs."""
+    rows = []
+    logs = results / "logs"
+    for log in sorted(logs.rglob("*.log")):
+        parts = log.relative_to(logs).with_suffix("").parts
+        step, rest = parts[0], "/".join(parts[1:])
+        if not (rest == model or rest.startswith(f"{model}/") or rest.startswith(f"{model}.")):
+            continue
+        figures = read_step_resources(log.read_text(errors="replace"))
+        if figures is None:
+            continue
+        figures["written"] = written_bytes(results, step, rest, model)
+        rows.append({"step": step, "job": rest[len(model) :].lstrip("/.") or "-", **figures})
+    return rows
+
+
+def stage_of(row: dict) -> str:
+    """The name a step has in every model's build: a compile or package job by its
+    target and precision, a per-export-key step by its name alone."""
+    if row["step"] in PER_KEY_STEPS or row["job"] == "-":
+        return row["step"]
+    return f"{row['step']} {row['job']}"
+
+
+def stages(rows: list[dict]) -> dict[str, dict]:
+    merged: dict[str, dict] = {}
+    for row in rows:
+        stage = merged.setdefault(
+            stage_of(row), {"seconds": 0.0, "step_rss_mb": 0, "child_rss_mb": 0, "written": 0}
+        )
+        stage["seconds"] += row["seconds"]
+        stage["written"] += row["written"]
+        stage["step_rss_mb"] = max(stage["step_rss_mb"], row["step_rss_mb"])
+        stage["child_rss_mb"] = max(stage["child_rss_mb"], row["child_rss_mb"])
+    return merged
+
+
+def peak_mb(stage: dict) -> int:
+    return max(stage["step_rss_mb"], stage["child_rss_mb"])
+
+
+def exponent(small: float, large: float, params_small: int, params_large: int) -> str:
+    """The growth exponent k of large = small * (params ratio)^k."""
+    if small <= 0 or large <= 0 or params_large == params_small:
+        return "–"
+    return f"{math.log(large / small) / math.log(params_large / params_small):.2f}"
+
+
+def table(header: tuple, rows: list[tuple]) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def model_table(rows: list[dict]) -> str:
+    body = [
+        (
+            r["step"],
+            r["job"],
+            f"{r['seconds']:.1f}",
+            r["step_rss_mb"],
+            r["child_rss_mb"],
+            f"{r['written'] / 1e6:.1f} MB",
+        )
+        for r in rows
+    ]
+    return table(("step", "job", "wall s", "step MB", "child MB", "written"), body)
+
+
+def growth_table(measured: list[tuple[str, int, dict]]) -> str:
+    """Steps every model ran, side by side, with the growth exponents between sizes."""
+    common = [s for s in measured[0][2] if all(s in stages_ for _, _, stages_ in measured)]
+    header = ["stage"]
+    for model, _params, _ in measured:
+        header += [f"{model} s", f"{model} MB"]
+    for (small, _, _), (large, _, _) in zip(measured, measured[1:], strict=False):
+        header += [f"time k {small}->{large}", f"memory k {small}->{large}"]
+    body = []
+    for stage in common:
+        row = [stage]
+        for _, _, found in measured:
+            row += [f"{found[stage]['seconds']:.1f}", peak_mb(found[stage])]
+        for (_, p1, s1), (_, p2, s2) in zip(measured, measured[1:], strict=False):
+            row += [
+                exponent(s1[stage]["seconds"], s2[stage]["seconds"], p1, p2),
+                exponent(peak_mb(s1[stage]), peak_mb(s2[stage]), p1, p2),
+            ]
+        body.append(tuple(row))
+    return table(tuple(header), body)
+
+
+def parameters(model: str) -> int:
+    from npuforge.matrix import estimate_params
+    from npuforge.registry import load_yaml
+
+    return estimate_params(load_yaml(REPO / "config" / "models.yaml")[model])
+
+
+def bench_rows(measured, args) -> list[dict]:
+    from npuforge import measurements
+    from npuforge.release import git_provenance
+
+    git = git_provenance()
+    commit = git["commit"][:7] + (" (dirty)" if git["dirty"] else "")
+    command = " ".join(
+        ["python bench/bench_scale.py", f"--models {args.models}", f"--targets {args.targets}"]
+        + [f"--precisions {args.precisions}"]
+        + ([f"--verify-steps {args.verify_steps}"] if args.verify_steps is not None else [])
+    )
+    rows = []
+    for model, params, found in measured:
+        for stage, figures in found.items():
+            rows.append(
+                {
+                    "id": f"scale-{model}-{stage.replace(' ', '-').replace('/', '-')}",
+                    "family": "scale",
+                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {stage}",
+                    "figures": {
+                        "wall s": round(figures["seconds"], 1),
+                        "peak RSS MB": peak_mb(figures),
+                        "written MB": round(figures["written"] / 1e6, 1),
+                    },
+                    "date": measurements.today(),
+                    "commit": commit,
+                    "command": command,
+                    "status": "current",
+                }
+            )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b-shape,qwen2.5-1.5b-shape")
+    parser.add_argument("--targets", default="onnx")
+    parser.add_argument("--precisions", default="all")
+    parser.add_argument("--verify-steps", type=int, help="positions every build verifies")
+    parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-scale"))
+    parser.add_argument("--cores", type=int, default=1, help="1: steps do not share the CPU")
+    parser.add_argument("--report-only", action="store_true", help="print what --results holds")
+    parser.add_argument("--record", type=Path, help="add the figures to this bench data file")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    overlay = write_overlay(args, models)
+    code = 0
+    measured = []
+    for model in models:
+        results = args.results / model
+        if not args.report_only:
+            command = build_command(args, model, results, overlay)
+            print("$", " ".join(command), flush=True)
+            code = subprocess.run(command, cwd=REPO).returncode or code
+        rows = step_rows(results, model)
+        params = parameters(model)
+        print(f"\n{model}: {params / 1e6:.0f}M parameters")
+        print(model_table(rows))
+        measured.append((model, params, stages(rows)))
+    measured = [m for m in measured if m[2]]
+    if len(measured) > 1:
+        measured.sort(key=lambda m: m[1])
+        print("\nGrowth (k: wall time or peak memory ~ parameters^k)")
+        print(growth_table(measured))
+    if args.record:
+        from npuforge.measurements import record_bench_rows
+
+        written = record_bench_rows(args.record, bench_rows(measured, args))
+        print(f"\nrecorded {len(written)} rows in {args.record}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The step CLIs' shared ending: the resources line a finished step leaves in its log."""
+
+import os
+import subprocess
+import sys
+
+from npuforge.cli import read_step_resources
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A step whose toolchain job (a child process) holds 300 MB, then exits 0 or raises.
+STEP = """
+import subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from npuforge.cli import run_cli
+from npuforge.errors import NpuforgeError
+
+def main(argv):
+    hold = "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096])"
+    subprocess.run([sys.executable, "-c", hold], check=True)
+    if argv == ["fail"]:
+        raise NpuforgeError("the input is bad; fix it")
+
+sys.exit(run_cli(main, sys.argv[2:]))
+"""
+
+
+def run_step(*argv):
+    return subprocess.run([sys.executable, "-c", STEP, REPO, *argv], capture_output=True, text=True)
+
+
+def test_a_finished_step_logs_its_wall_time_and_the_peak_memory_of_what_it_ran():
+    done = run_step()
+    assert done.returncode == 0, done.stderr
+    figures = read_step_resources(done.stderr)
+    assert figures is not None, done.stderr
+    # The child's 300 MB is its own, not the step's (a Python process: tens of MB).
+    assert figures["child_rss_mb"] >= 300
+    assert figures["step_rss_mb"] < figures["child_rss_mb"]
+    assert figures["seconds"] > 0
+    assert done.stderr.strip().splitlines()[-1].startswith("step resources:")
+
+
+def test_a_failed_step_ends_on_its_error_line_with_no_resources_line():
+    failed = run_step("fail")
+    assert failed.returncode == 2
+    assert failed.stderr.strip().splitlines() == ["error: the input is bad; fix it"]
+    assert read_step_resources(failed.stderr) is None
