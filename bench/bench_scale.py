@@ -18,11 +18,14 @@ fresh results directory: pass a fresh --results to measure everything.
 
     python bench/bench_scale.py [--models smollm2-135m,qwen2.5-0.5b-shape]
                                 [--targets onnx,RK3588] [--precisions fp16]
-                                [--verify-steps 16] [--results /tmp/npuforge-bench-scale]
+                                [--verify-steps 16] [--budget-gb 14]
+                                [--results /tmp/npuforge-bench-scale]
                                 [--record docs/data/benches.yaml]
 
 --verify-steps overrides every model's verification length (positions checked on the
-simulators), which dominates the wall time of the larger models' compile steps. A build
+simulators), which dominates the wall time of the larger models' compile steps;
+--budget-gb every target's memory_budget_gb (the registry's stop the seed-size shapes at
+planning on most targets: npuforge plans chunks to fit the budget). A build
 that fails still reports what its finished steps measured.
 """
 
@@ -69,13 +72,20 @@ def build_command(args, model: str, results: Path, overlay: Path | None) -> list
 
 
 def write_overlay(args, models: list[str]) -> Path | None:
-    if args.verify_steps is None:
+    """A --configfile with the run's overrides: every model's verify_steps, every
+    target's memory_budget_gb."""
+    body = {}
+    if args.verify_steps is not None:
+        body["models"] = {model: {"verify_steps": args.verify_steps} for model in models}
+    if args.budget_gb is not None:
+        targets = args.targets.split(",")
+        body["targets"] = {target: {"memory_budget_gb": args.budget_gb} for target in targets}
+    if not body:
         return None
     import yaml
 
-    overlay = args.results / "verify-steps.yaml"
+    overlay = args.results / "overrides.yaml"
     overlay.parent.mkdir(parents=True, exist_ok=True)
-    body = {"models": {model: {"verify_steps": args.verify_steps} for model in models}}
     overlay.write_text(yaml.safe_dump(body, sort_keys=False))
     return overlay
 
@@ -213,6 +223,7 @@ def bench_rows(measured, args) -> list[dict]:
         ["python bench/bench_scale.py", f"--models {args.models}", f"--targets {args.targets}"]
         + [f"--precisions {args.precisions}"]
         + ([f"--verify-steps {args.verify_steps}"] if args.verify_steps is not None else [])
+        + ([f"--budget-gb {args.budget_gb:g}"] if args.budget_gb is not None else [])
     )
     rows = []
     for model, params, found in measured:
@@ -242,6 +253,7 @@ def main() -> int:
     parser.add_argument("--targets", default="onnx")
     parser.add_argument("--precisions", default="all")
     parser.add_argument("--verify-steps", type=int, help="positions every build verifies")
+    parser.add_argument("--budget-gb", type=float, help="every target's memory_budget_gb")
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-scale"))
     parser.add_argument("--cores", type=int, default=1, help="1: steps do not share the CPU")
     parser.add_argument("--report-only", action="store_true", help="print what --results holds")
