@@ -332,8 +332,9 @@ class MemoryPlan:
     """Layer chunks of one build's exports and the host memory its compile job needs."""
 
     chunks: int
-    # The compile job's peak by the backend's figures: its largest chunk's compile, or
-    # the fp32 reference run over the whole export, whichever is larger.
+    # The compile job's peak by the backend's figures: its largest chunk's compile (a
+    # toolchain process) beside what the step's fp32 reference run over that chunk kept
+    # (the run holds one chunk at a time; the heap it leaves stays with the step).
     need_bytes: int
     budget_bytes: int
     # Why no plan fits (one line, without the build's name), else None.
@@ -353,8 +354,8 @@ def merged_export(model: dict, target: dict) -> dict:
 def memory_plan(model: dict, target: dict, precision: str | None = None) -> MemoryPlan:
     """The fewest layer chunks whose compile job stays within the target's
     memory_budget_gb, by what one parameter costs its backend's compile
-    (``COMPILE_BYTES_PER_PARAM``; with no precision, the dearest) and what the step's
-    fp32 reference run holds (``base.REFERENCE_BYTES_PER_PARAM``, the whole export).
+    (``COMPILE_BYTES_PER_PARAM``; with no precision, the dearest) plus what the step's
+    fp32 reference run keeps of the same chunk (``base.REFERENCE_BYTES_PER_PARAM``).
 
     An explicit ``chunks`` wins; a ``chunk_policy`` (a device's limit on one chunk's
     weights) sets the fewest. ``problem`` says why a plan cannot fit, or why it needs
@@ -368,12 +369,11 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     layers = int(model["arch"]["layers"])
     counts = parameter_counts(model)
     external = bool(export.get("ext_embedding", False))
-    whole = chunk_params(counts, layers, 1, external)[0]
-    reference = base.REFERENCE_BYTES_PER_PARAM * whole * len(export["variants"])
+    reference = base.REFERENCE_BYTES_PER_PARAM
 
     def need(chunks: int) -> int:
         heaviest = max(chunk_params(counts, layers, chunks, external))
-        return int(max(reference, per_param * heaviest))
+        return int((per_param + reference) * heaviest)
 
     fix = "raise the target's memory_budget_gb or build on a host with more memory"
     most = int(getattr(backend, "MAX_CHUNKS", layers))
@@ -406,18 +406,11 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
         return MemoryPlan(fitting, need(fitting), int(budget), problem)
     if fitting is not None:
         return MemoryPlan(fitting, need(fitting), int(budget))
-    if reference > budget:
-        held = "export" if len(export["variants"]) == 1 else "export of each graph variant"
-        what = (
-            f"the compile step's fp32 reference run holds the whole {held}, about "
-            f"{_gb(reference)} ({base.REFERENCE_BYTES_PER_PARAM:g} bytes/parameter)"
-        )
-    else:
-        what = (
-            f"one layer with the head (the heaviest one-layer chunk) needs about "
-            f"{_gb(need(layers))} to compile ({per_param:g} bytes/parameter, "
-            f"npuforge.backends.{target['backend']})"
-        )
+    what = (
+        f"one layer with the head (the heaviest one-layer chunk) needs about "
+        f"{_gb(need(layers))} to compile ({per_param:g} bytes/parameter, "
+        f"npuforge.backends.{target['backend']}, and {reference:g} for the fp32 reference run)"
+    )
     problem = f"{what}, over the target's memory_budget_gb of {budget / 1e9:g}; {fix}"
     return MemoryPlan(layers, need(layers), int(budget), problem)
 

@@ -55,10 +55,12 @@ TRAINED_FLOORS = {
 }
 WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
-# Host memory per parameter of the fp32 exports that a compile step's own reference run
-# (reference_logits: onnxruntime CPU, every chunk and variant at once) holds, for the
-# chunk planner (npuforge.matrix.memory_plan). Not measured yet: the weights (4 bytes)
-# and one more copy as onnxruntime may pre-pack MatMul weights, so 8.
+# Host memory per parameter of one chunk of the fp32 exports that a compile step's own
+# reference run (reference_logits: onnxruntime CPU, one chunk at a time) keeps, for the
+# chunk planner (npuforge.matrix.memory_plan). Measured by tests/test_reference_run.py's
+# model: a 17 MB fp32 chunk takes 58 MB when onnxruntime loads it (3.4 x, 14 bytes per
+# parameter) for the first chunk, ~4 MB more for each later one in the heap the first
+# left; on large chunks the ratio falls towards 2 x. Taken at 8 until a 0.5B run measures it.
 REFERENCE_BYTES_PER_PARAM = 8.0
 
 
@@ -266,35 +268,81 @@ def verification_tokens(count: int, export: Export, heldout=None, calibrations=(
 
 
 def reference_logits(exports: dict, schedule, ids, capture=None):
-    """``GraphChain`` (onnxruntime CPU) on the fp32 exports over ``schedule``: one row of
-    logits per position, ``[positions, batch * vocab]``; the prefill chain's state and
-    position go on to the decode chain. ``capture(variant, chunk, feeds)`` sees every
-    graph's feeds."""
+    """The fp32 exports run by onnxruntime (CPU) over ``schedule``: one row of logits per
+    position, ``[positions, batch * vocab]``; the prefill calls' state and position go on
+    to the decode calls, as ``GraphChain`` carries them. ``capture(variant, chunk,
+    feeds)`` sees every graph's feeds, each chunk's in call order.
+
+    Chunk by chunk: one graph's session runs every call of the schedule it serves and is
+    dropped before the next opens, so the run holds one chunk of one variant at a time
+    (plus the hidden states between chunks, positions x embed) however many chunks the
+    export has. Calls are independent across chunks given the previous chunk's hidden
+    output and the chunk's own state, so the logits are those of a call-by-call run."""
     import numpy as np
 
-    from npuforge.runtime import GraphChain
+    from npuforge.onnx_io import read_embedding_bin
+    from npuforge.runtime import host_feeds, initial_state, onnxruntime_session
 
-    chains = {}
-    for variant, export in exports.items():
-        hook = None
-        if capture is not None:
-
-            def hook(index, feeds, variant=variant):
-                capture(variant, index, feeds)
-
-        chains[variant] = GraphChain(export.dir, capture=hook)
     ids = np.asarray(ids, dtype=np.int64)
-    rows, previous = [], None
+    starts, position = [], 0
     for call in schedule:
-        chain = chains[call.variant]
-        if previous is not None and chain is not previous:
-            chain.state = {k: previous.state[k].astype(v.dtype) for k, v in chain.state.items()}
-            chain.position = previous.position
-        call_ids = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
-        logits = chain.step(np.repeat(call_ids, chain.batch, axis=0))
-        rows.append(np.moveaxis(logits, 1, 0).reshape(logits.shape[1], -1))
-        previous = chain
-    return np.concatenate(rows)
+        starts.append(position)
+        position += call.tokens
+    starts_state = {v: initial_state(e.dir, e.meta) for v, e in exports.items()}
+    tables = {}
+
+    def table(variant):
+        if variant not in tables:
+            export = exports[variant]
+            tables[variant] = read_embedding_bin(export.dir / export.meta["embedding"]["file"])
+        return tables[variant]
+
+    carried = [{} for _ in schedule]
+    logits = [None] * len(schedule)
+    chunks = len(next(iter(exports.values())).graphs)
+    for index in range(chunks):
+        state, serving, session = None, None, None
+        for number, call in enumerate(schedule):
+            export = exports[call.variant]
+            graph = export.graphs[index]
+            if call.variant != serving:
+                session = None  # release the previous graph before the next loads
+                session = onnxruntime_session(export.dir / graph["file"])
+                start = starts_state[call.variant]
+                names = [i["name"] for i in graph["inputs"] if i["role"] == "state"]
+                state = {
+                    n: (start[n].copy() if state is None else state[n].astype(start[n].dtype))
+                    for n in names
+                }
+                serving = call.variant
+            batch = int(export.meta["batch"])
+            tokens = np.repeat(
+                ids[call.position : call.position + call.tokens].reshape(1, call.tokens),
+                batch,
+                axis=0,
+            )
+            embedding = table(call.variant) if export.meta.get("embedding") else None
+            feeds = host_feeds(export.meta, graph, tokens, starts[number], embedding)
+            for spec in graph["inputs"]:
+                if spec["role"] == "hidden":
+                    feeds[spec["name"]] = carried[number][spec["name"][: -len("_in")] + "_out"]
+                elif spec["role"] == "state":
+                    feeds[spec["name"]] = state[spec["name"]]
+            if capture is not None:
+                capture(call.variant, index, feeds)
+            names = [o["name"] for o in graph["outputs"]]
+            results = dict(zip(names, session.run(names, feeds), strict=True))
+            for spec in graph["inputs"]:
+                if spec["role"] == "state":
+                    state[spec["name"]] = results[spec["output"]]
+            carried[number] = {}
+            for spec in graph["outputs"]:
+                if spec["role"] == "hidden":
+                    carried[number][spec["name"]] = results[spec["name"]]
+                elif spec["role"] == "logits":
+                    row = np.asarray(results[spec["name"]], dtype=np.float32)
+                    logits[number] = np.moveaxis(row, 1, 0).reshape(row.shape[1], -1)
+    return np.concatenate(logits)
 
 
 def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
