@@ -50,8 +50,12 @@ FLOORS = {
 }
 # Peak compile memory per parameter of a chunk, measured by bench/bench_rknn.py: 0.93 GB
 # peak RSS for a 20.3M-parameter RWKV-7 chunk, fp16 (46 bytes/param, the toolkit's own
-# ~0.4 GB baseline included, so larger chunks come out conservative). npuforge.matrix
-# plans the chunks and reserves memory from it.
+# ~0.4 GB baseline included). npuforge.matrix plans the chunks and reserves memory from it
+# and base.REFERENCE_BYTES_PER_PARAM: 54 per parameter of the heaviest chunk for the job.
+# bench/bench_scale.py at fp16 (docs/scale.md) measured the job at 58 (SmolLM2-135M, one
+# 134.5M chunk: toolkit 4.26 GB, the step itself 3.53 GB) and 53 (Qwen2.5-0.5B's shape,
+# heaviest chunk 255M: 7.02 + 6.51 GB): the toolkit takes 28-32 of it, the step ~26 (the
+# reference run and the chunk's ONNX loaded whole to be rewritten).
 COMPILE_BYTES_PER_PARAM = {"fp16": 46.0, "w8a8": 46.0, "w16a16i": 46.0, "w16a16i_dfp": 46.0}
 # rknn-toolkit2 2.5.0 ships cp36..cp312 wheels for x86_64 and aarch64 Linux.
 PYTHONS = ((3, 6), (3, 12))
