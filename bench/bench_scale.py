@@ -8,7 +8,8 @@ prints, per model, every step the build ran:
 
   wall s       the step's wall time (from its log's resources line, npuforge.cli)
   step MB      peak RSS of the step's own process
-  child MB     peak RSS of the largest process the step ran (a toolchain job)
+  child MB     peak total RSS of the processes the step ran (its toolchain jobs),
+               sampled every 0.5 s
   written      bytes of the step's outputs
 
 and a side-by-side table of the steps every model ran, with the growth exponent of wall

@@ -77,19 +77,80 @@ def run_cli(main, argv=None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def resources_line(started: float) -> str:
-    """What the step used, for its log (bench/bench_scale.py reads it): wall seconds and
-    the peak resident memory of the step's own process and of the largest process it ran
-    and waited for (a toolchain job; a container's processes belong to its runtime and are
-    not counted)."""
+def _resident_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (``VmRSS``) or its own peak (``VmHWM``: of this
+    process image only; getrusage's maxrss also counts the memory of the process it was
+    started from, which a vfork'd child shares until it execs)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # gone, or no /proc
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as handle:
+                    children = [int(c) for c in handle.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+class ChildrenPeak:
+    """The largest total resident memory of a process's descendants (its toolchain
+    jobs and what they start), sampled every ``interval`` seconds on a thread. A
+    container's processes belong to its engine, not to the step, and are not counted."""
+
+    def __init__(self, interval: float = 0.5):
+        import threading
+
+        self.peak = 0
+        self._interval = interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+    def _sample(self):
+        pid = os.getpid()
+        while not self._done.wait(self._interval):
+            total = sum(_resident_bytes(child) for child in _descendants(pid))
+            self.peak = max(self.peak, total)
+
+
+def resources_line(started: float, children_peak: int) -> str:
+    """What the step used, for its log (bench/bench_scale.py reads it): wall seconds, the
+    peak resident memory of the step's own process and the largest sampled total of the
+    processes it ran."""
     import resource
     import time
 
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    own = _resident_bytes(os.getpid(), "VmHWM") or (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return (
         f"{STEP_RESOURCES} {time.monotonic() - started:.1f} s wall, peak RSS "
-        f"{own:.0f} MB (step), {child:.0f} MB (largest process it ran)"
+        f"{own / 2**20:.0f} MB (step), {children_peak / 2**20:.0f} MB (processes it ran)"
     )
 
 
@@ -104,7 +165,7 @@ def read_step_resources(log_text: str) -> dict | None:
 
     pattern = (
         re.escape(STEP_RESOURCES) + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
-        r"(\d+) MB \(largest process it ran\)"
+        r"(\d+) MB \(processes it ran\)"
     )
     found = re.findall(pattern, log_text)
     if not found:
@@ -118,7 +179,8 @@ def _run_main(main, argv) -> int:
 
     started = time.monotonic()
     try:
-        main(argv)
+        with ChildrenPeak() as children:
+            main(argv)
     except NpuforgeError as err:
         return fail(str(err))
     except MemoryError:
@@ -133,5 +195,5 @@ def _run_main(main, argv) -> int:
             raise
         where = f"{refused.filename}: " if refused.filename else ""
         return fail(f"{where}{refused.strerror}; {OS_FIXES[refused.errno]}")
-    print(resources_line(started), file=sys.stderr)
+    print(resources_line(started, children.peak), file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ def finished_step(results: Path, log: str, seconds: float, rss_mb: int, child_mb
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "progress\nstep resources: "
-        f"{seconds} s wall, peak RSS {rss_mb} MB (step), {child_mb} MB (largest process it ran)\n"
+        f"{seconds} s wall, peak RSS {rss_mb} MB (step), {child_mb} MB (processes it ran)\n"
     )
 
 

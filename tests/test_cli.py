@@ -8,7 +8,8 @@ from npuforge.cli import read_step_resources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A step whose toolchain job (a child process) holds 300 MB, then exits 0 or raises.
+# A step whose toolchain job (a child process) holds 300 MB for 1.5 s, then exits 0 or
+# raises.
 STEP = """
 import subprocess, sys
 sys.path.insert(0, sys.argv[1])
@@ -16,7 +17,7 @@ from npuforge.cli import run_cli
 from npuforge.errors import NpuforgeError
 
 def main(argv):
-    hold = "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096])"
+    hold = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * (300 << 8); time.sleep(1.5)"
     subprocess.run([sys.executable, "-c", hold], check=True)
     if argv == ["fail"]:
         raise NpuforgeError("the input is bad; fix it")
@@ -34,9 +35,11 @@ def test_a_finished_step_logs_its_wall_time_and_the_peak_memory_of_what_it_ran()
     assert done.returncode == 0, done.stderr
     figures = read_step_resources(done.stderr)
     assert figures is not None, done.stderr
-    # The child's 300 MB is its own, not the step's (a Python process: tens of MB).
+    # The child's 300 MB is its own, not the step's (a Python process: tens of MB), even
+    # when the step was started from a larger process (this test's, a vfork: getrusage
+    # would give the step that process's peak).
     assert figures["child_rss_mb"] >= 300
-    assert figures["step_rss_mb"] < figures["child_rss_mb"]
+    assert figures["step_rss_mb"] < 200
     assert figures["seconds"] > 0
     assert done.stderr.strip().splitlines()[-1].startswith("step resources:")
 
