@@ -22,7 +22,9 @@ def fake_build(results: Path, model: str, scale: int):
     """Two export keys, a compile, and a step that did not finish (no resources line)."""
     finished_step(results, f"export/{model}/decode-a.log", 10.0 * scale, 100 * scale, 0)
     finished_step(results, f"export/{model}/prefill-b.log", 5.0 * scale, 300 * scale, 0)
-    finished_step(results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200, 900 * scale)
+    finished_step(
+        results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200 * scale, 900 * scale
+    )
     (results / "logs" / "package" / model / "RK3588").mkdir(parents=True)
     (results / "logs" / "package" / model / "RK3588" / "fp16.log").write_text("error: no\n")
     out = results / "compile" / model / "RK3588" / "fp16"
@@ -47,6 +49,7 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     table = bench_scale.growth_table([("small", 1_000, merged), ("large", 4_000, large)])
     # stage, then seconds and MB per model, then the two exponents
     rows = {" ".join(cells[:-6]): cells for cells in map(str.split, table.splitlines()[2:])}
-    # 4x the parameters: the compile's time grew 16x (k = 2), its memory 4x (k = 1).
+    # 4x the parameters: the compile's time grew 16x (k = 2), its memory (the step and
+    # the processes it ran, together) 4x (k = 1).
     assert rows["compile RK3588/fp16"][-2:] == ["2.00", "1.00"]
     assert rows["export"][-2:] == ["1.00", "1.00"]
