@@ -160,12 +160,13 @@ STEP_RESOURCES = "step resources:"
 
 def read_step_resources(log_text: str) -> dict | None:
     """The figures of a log's last resources line: ``seconds``, ``step_rss_mb`` and
-    ``child_rss_mb``; None if the step did not finish."""
+    ``child_rss_mb``; None if the step did not finish. Reads the first form's lines too
+    ("largest process it ran", getrusage's peak of one child)."""
     import re
 
     pattern = (
         re.escape(STEP_RESOURCES) + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
-        r"(\d+) MB \(processes it ran\)"
+        r"(\d+) MB \((?:processes it ran|largest process it ran)\)"
     )
     found = re.findall(pattern, log_text)
     if not found:
