@@ -62,11 +62,12 @@ CONTEXT_WEIGHT_BUDGET = 1_500_000_000
 BYTES_PER_PARAM = {"fp16": 2.0, "a16w8": 1.0, "a16w4": 0.5}
 
 # Host memory a compile takes per parameter of a chunk (npuforge.matrix plans chunks and
-# reserves memory from it). Not measured by npuforge yet: the design notes' single figure
-# (a 0.45B RWKV-7 fp16 decode graph in one context, ~5 GB peak, ~11 bytes/parameter) was
-# not re-checked here, and the quantized precisions also build a QDQ model beside the
-# float one; taken at about twice that until bench/bench_qnn.py measures each precision.
-COMPILE_BYTES_PER_PARAM = {"fp16": 24.0, "a16w8": 24.0, "a16w4": 24.0}
+# reserves memory from it, beside base.REFERENCE_BYTES_PER_PARAM). fp16 measured by
+# bench/bench_scale.py (docs/scale.md): Qwen2.5-0.5B's shape in 4 chunks (heaviest 225.6M
+# parameters), context generation and the simulator check 3,633 MB, 16.1 bytes/parameter,
+# the step itself 2,077 MB (9.2); taken at 18. The quantized precisions also build a QDQ
+# model beside the float one and are not measured at this size: still 24.
+COMPILE_BYTES_PER_PARAM = {"fp16": 18.0, "a16w8": 24.0, "a16w4": 24.0}
 
 # The simulator check's floors against onnxruntime fp32 (see npuforge.backends.base).
 FLOORS = {
