@@ -39,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_real_model import table  # noqa: E402
+
 from npuforge.cli import read_step_resources  # noqa: E402
 
 # Where each step writes, relative to the results directory, from what follows
@@ -162,14 +164,6 @@ def exponent(small: float, large: float, params_small: int, params_large: int) -
     if small <= 0 or large <= 0 or params_large == params_small:
         return "–"
     return f"{math.log(large / small) / math.log(params_large / params_small):.2f}"
-
-
-def table(header: tuple, rows: list[tuple]) -> str:
-    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def model_table(rows: list[dict]) -> str:

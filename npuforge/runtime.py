@@ -104,6 +104,34 @@ def initial_state(export_dir, meta: dict) -> dict:
     return state
 
 
+def run_graph(session, meta, graph, tokens, position, embedding, carried, state, capture=None):
+    """One graph of one call: its feeds (the host's, ``carried`` hidden outputs of the
+    previous chunk, ``state``), run on ``session``; ``state`` takes the graph's new
+    state in place. Returns (this graph's hidden outputs, its logits or None).
+    ``capture(feeds)`` sees the feeds."""
+    feeds = host_feeds(meta, graph, tokens, position, embedding)
+    for spec in graph["inputs"]:
+        role, name = spec["role"], spec["name"]
+        if role == "hidden":
+            feeds[name] = carried[name[: -len("_in")] + "_out"]
+        elif role == "state":
+            feeds[name] = state[name]
+    if capture is not None:
+        capture(feeds)
+    names = [o["name"] for o in graph["outputs"]]
+    results = dict(zip(names, session.run(names, feeds), strict=True))
+    for spec in graph["inputs"]:
+        if spec["role"] == "state":
+            state[spec["name"]] = results[spec["output"]]
+    hidden, logits = {}, None
+    for spec in graph["outputs"]:
+        if spec["role"] == "hidden":
+            hidden[spec["name"]] = results[spec["name"]]
+        elif spec["role"] == "logits":
+            logits = results[spec["name"]]
+    return hidden, logits
+
+
 class GraphChain:
     def __init__(self, export_dir, session_factory=None, capture=None):
         import numpy as np
@@ -156,25 +184,17 @@ class GraphChain:
         carried = {}
         logits = None
         for index, (graph, session) in enumerate(zip(self.graphs, self.sessions, strict=True)):
-            feeds = host_feeds(self.meta, graph, tokens, self.position, self.embedding)
-            for spec in graph["inputs"]:
-                role, name = spec["role"], spec["name"]
-                if role == "hidden":
-                    feeds[name] = carried[name[: -len("_in")] + "_out"]
-                elif role == "state":
-                    feeds[name] = self.state[name]
+            capture = None
             if self.capture is not None:
-                self.capture(index, feeds)
-            names = [o["name"] for o in graph["outputs"]]
-            results = dict(zip(names, session.run(names, feeds), strict=True))
-            for spec in graph["inputs"]:
-                if spec["role"] == "state":
-                    self.state[spec["name"]] = results[spec["output"]]
-            for spec in graph["outputs"]:
-                if spec["role"] == "hidden":
-                    carried[spec["name"]] = results[spec["name"]]
-                elif spec["role"] == "logits":
-                    logits = results[spec["name"]]
+
+                def capture(feeds, index=index):
+                    self.capture(index, feeds)
+
+            carried, found = run_graph(
+                session, self.meta, graph, tokens, self.position, self.embedding,
+                carried, self.state, capture,
+            )  # fmt: skip
+            logits = found if found is not None else logits
         self.position += self.tokens_per_call
         return np.asarray(logits, dtype=np.float32)
 

@@ -282,7 +282,7 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
     import numpy as np
 
     from npuforge.onnx_io import read_embedding_bin
-    from npuforge.runtime import host_feeds, initial_state, onnxruntime_session
+    from npuforge.runtime import initial_state, onnxruntime_session, run_graph
 
     ids = np.asarray(ids, dtype=np.int64)
     starts, position = [], 0
@@ -323,26 +323,19 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
                 axis=0,
             )
             embedding = table(call.variant) if export.meta.get("embedding") else None
-            feeds = host_feeds(export.meta, graph, tokens, starts[number], embedding)
-            for spec in graph["inputs"]:
-                if spec["role"] == "hidden":
-                    feeds[spec["name"]] = carried[number][spec["name"][: -len("_in")] + "_out"]
-                elif spec["role"] == "state":
-                    feeds[spec["name"]] = state[spec["name"]]
+            seen = None
             if capture is not None:
-                capture(call.variant, index, feeds)
-            names = [o["name"] for o in graph["outputs"]]
-            results = dict(zip(names, session.run(names, feeds), strict=True))
-            for spec in graph["inputs"]:
-                if spec["role"] == "state":
-                    state[spec["name"]] = results[spec["output"]]
-            carried[number] = {}
-            for spec in graph["outputs"]:
-                if spec["role"] == "hidden":
-                    carried[number][spec["name"]] = results[spec["name"]]
-                elif spec["role"] == "logits":
-                    row = np.asarray(results[spec["name"]], dtype=np.float32)
-                    logits[number] = np.moveaxis(row, 1, 0).reshape(row.shape[1], -1)
+
+                def seen(feeds, variant=call.variant, index=index):
+                    capture(variant, index, feeds)
+
+            carried[number], row = run_graph(
+                session, export.meta, graph, tokens, starts[number], embedding,
+                carried[number], state, seen,
+            )  # fmt: skip
+            if row is not None:
+                row = np.asarray(row, dtype=np.float32)
+                logits[number] = np.moveaxis(row, 1, 0).reshape(row.shape[1], -1)
     return np.concatenate(logits)
 
 
