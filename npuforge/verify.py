@@ -107,8 +107,24 @@ def logits_agreement(reference, compiled) -> dict:
     return {**figures, **{key: round(figures[key], n) for key, n in digits.items()}}
 
 
-def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dict:
-    """Prefill the first whole calls, continue with decode; compare with decode alone."""
+def release_memory():
+    """Hand the memory of released models back to the system: glibc keeps freed blocks in
+    its heap otherwise, so the next model would sit on top of the last one's."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc: nothing to trim
+        pass
+
+
+def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
+    """Prefill the first whole calls, continue with decode; compare with decode alone.
+
+    One export's graphs are loaded at a time: the prefill graphs are released before the
+    decode graphs load and continue from their state."""
     import numpy as np
 
     prefill = open_chain(prefill_dir)
@@ -121,26 +137,27 @@ def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dic
         raise NpuforgeError(
             f"--tokens {steps} is too short to prefill {t} tokens and then decode; raise --tokens"
         )
-    if prefill.batch != decode_chain.batch:
-        raise NpuforgeError("prefill and decode exports have different --batch; export them alike")
     last_only = bool(prefill.meta["options"].get("last_token_logits"))
     pieces, positions = [], []
     for start in range(0, n_prefill, t):
         out = prefill.step(tokens[:, start : start + t])
         pieces.append(out)
         positions += [start + t - 1] if last_only else list(range(start, start + t))
-    decode_chain.reset()
-    missing = set(decode_chain.state) - set(prefill.state)
+    state, position, batch = prefill.state, prefill.position, prefill.batch
+    del prefill
+    release_memory()
+    decode_chain = open_chain(decode_dir)
+    if batch != decode_chain.batch:
+        raise NpuforgeError("prefill and decode exports have different --batch; export them alike")
+    missing = set(decode_chain.state) - set(state)
     if missing:
         raise NpuforgeError(
             f"prefill export lacks state {sorted(missing)[0]!r}; export both from one checkpoint"
         )
-    decode_chain.state = {
-        k: prefill.state[k].astype(v.dtype) for k, v in decode_chain.state.items()
-    }
+    decode_chain.state = {k: state[k].astype(v.dtype) for k, v in decode_chain.state.items()}
     # Position-indexed inputs (a KV cache's mask, RoPE rows, write slots) continue where
     # the prefill stopped; recurrent families ignore the counter.
-    decode_chain.position = prefill.position
+    decode_chain.position = position
     for start in range(n_prefill, steps):
         pieces.append(decode_chain.step(tokens[:, start : start + 1]))
         positions.append(start)
@@ -154,17 +171,22 @@ def prefill_then_decode(prefill_dir, decode_chain, tokens, decode_logits) -> dic
 
 def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> dict:
     """Run the checks; return the report dict (``verify_onnx.py`` writes it as JSON)."""
+    from npuforge.fileio import read_json
+
     if not export_dirs:
         raise NpuforgeError("give at least one --export directory")
-    decode = open_chain(export_dirs[0])
-    meta = decode.meta
+    meta_path = Path(export_dirs[0]) / "export.json"
+    if not meta_path.is_file():
+        raise NpuforgeError(f"{export_dirs[0]}: no export.json; run export_onnx.py first")
+    meta = read_json(meta_path)
     if meta["variant"] != "decode":
         raise NpuforgeError(f"{export_dirs[0]}: the first --export must be a decode export")
     if steps < 1:
         raise NpuforgeError("--tokens must be at least 1")
-    tokens = seeded_tokens(meta["vocab_size"], decode.batch, steps)
-    logits = decode.run(tokens)
+    tokens = seeded_tokens(meta["vocab_size"], int(meta["batch"]), steps)
 
+    # One model in memory at a time: the reference's is released before the graphs load,
+    # and the prefill graphs before decode continues from their state.
     if reference in ("auto", "rwkv"):
         if checkpoint is None:
             raise NpuforgeError(f"--reference {reference} needs --checkpoint")
@@ -175,15 +197,21 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
         if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":
             raise NpuforgeError(f"{reference}: the reference must be an fp32 decode export")
         ref_logits = ref_chain.run(tokens)
+        del ref_chain
         ref_name = "onnxruntime fp32"
     else:
         raise NpuforgeError(f"--reference {reference!r} is unknown; use auto or onnx-fp32:DIR")
+    release_memory()
+    decode = open_chain(export_dirs[0])
+    logits = decode.run(tokens)
+    del decode
+    release_memory()
 
     report = compare(logits, ref_logits)
     report.update(
         {
             "steps": steps,
-            "batch": decode.batch,
+            "batch": int(meta["batch"]),
             "reference": ref_name,
             "runtime": "onnxruntime fp16-storage emulation"
             if meta["dtype"] == "fp16"
@@ -198,5 +226,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
         }
     )
     if len(export_dirs) > 1:
-        report["prefill_vs_decode"] = prefill_then_decode(export_dirs[1], decode, tokens, logits)
+        report["prefill_vs_decode"] = prefill_then_decode(
+            export_dirs[1], export_dirs[0], tokens, logits
+        )
     return report

@@ -3,17 +3,15 @@ logits of transformers over prefill calls then decode calls, whatever the chunki
 peak memory of one chunk, not of the whole model."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+from memory_probe import peak_bytes
 
 from npuforge.backends import base
 from npuforge.models.llama.onnx_export import export_llama
 from npuforge.models.llama.weights import reference_logits, write_synthetic_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 PREFILL = 4
 
 
@@ -60,35 +58,17 @@ def test_prefill_then_decode_by_chunk_gives_the_models_logits_at_any_chunking(tm
     assert seen == [(call.variant, chunk) for chunk in range(3) for call in schedule]
 
 
-# The run's peak resident memory above what the process held before it (sampled from
-# /proc, so an import's transient high-water mark does not hide it).
-PEAK = """
-import json, os, sys, threading
+SETUP = """
+import json
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 from npuforge.backends import base
 import npuforge.models.llama.onnx_export
-
-def resident():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-directory = Path(sys.argv[2])
+"""
+RUN = """
+directory = Path({directory!r})
 export = base.Export(directory, json.loads((directory / "export.json").read_text()))
 schedule = [base.Call("decode", p, 1) for p in range(4)]
-before, peak, done = resident(), [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], resident())
-        done.wait(0.002)
-
-sampler = threading.Thread(target=sample)
-sampler.start()
-base.reference_logits({"decode": export}, schedule, [3, 5, 7, 9])
-done.set()
-sampler.join()
-print(peak[0] - before)
+base.reference_logits({{"decode": export}}, schedule, [3, 5, 7, 9])
 """
 
 
@@ -106,9 +86,5 @@ def test_the_reference_run_holds_one_chunk_at_a_time(tmp_path):
         directory = tmp_path / f"c{chunks}"
         export_llama(checkpoint, directory, variant="decode", tokens=1, chunks=chunks,
                      cache_len=8, ext_embedding=chunks > 1)  # fmt: skip
-        run = subprocess.run(
-            [sys.executable, "-c", PEAK, str(REPO), str(directory)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        peaks[chunks] = int(run.stdout.split()[-1])
+        peaks[chunks] = peak_bytes(SETUP, RUN.format(directory=str(directory)))
     assert peaks[8] < peaks[1] / 2 and peaks[1] - peaks[8] > 4 * layer_bytes, (peaks, layer_bytes)

@@ -112,8 +112,8 @@ def test_chunks_one_two_four_agree(exports):
 
 def test_prefill_then_decode_matches_decode(exports):
     tokens = seeded_tokens(65536, 1, 40)
-    decode = GraphChain(exports("c1"))
-    alone = decode.run(tokens)
+    decode = exports("c1")
+    alone = GraphChain(decode).run(tokens)
     full = prefill_then_decode(
         exports("p16", variant="prefill", tokens=16, chunks=2), decode, tokens, alone
     )

@@ -186,25 +186,55 @@ class Llama(nn.Module):
         return x, new_caches
 
 
+def chunk_modules(cfg: LlamaConfig, first: int, last: int) -> set[str]:
+    """Top-level module names (``layers.{i}``, ``embed_tokens``, ``norm``, ``lm_head``)
+    whose weights a chunk of layers [first, last) runs: the table in the first chunk,
+    the norm and head in the last (a tied head is the table)."""
+    names = {f"layers.{i}" for i in range(first, last)}
+    if first == 0:
+        names.add("embed_tokens")
+    if last == cfg.num_layers:
+        names |= {"norm", "lm_head"} | ({"embed_tokens"} if cfg.tie_word_embeddings else set())
+    return names
+
+
+def checkpoint_module(name: str) -> str:
+    """The top-level module a checkpoint tensor belongs to (``model.layers.3.mlp...``:
+    ``layers.3``)."""
+    parts = name.removeprefix("model.").split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
 def build_model(
     cfg: LlamaConfig,
     state_dict: dict,
     cache_len: int,
     fp16_safe: bool = False,
     tanh_silu: bool = False,
+    layers: tuple[int, int] | None = None,
 ):
-    """A Llama torch module in eval mode with the checkpoint's weights loaded."""
+    """A Llama torch module in eval mode with the checkpoint's weights loaded.
+
+    ``layers=(first, last)``: only what that chunk runs (``chunk_modules``) is expected
+    in ``state_dict``; every other layer, the table or the head is an empty module, so a
+    chunk of a large model holds its own weights only. Its forward and ONNX graph are
+    those of the whole model's over the same layers.
+    """
     # Built on the meta device and given the checkpoint tensors themselves (assign=True):
     # no random init, no second copy of the weights.
     with torch.device("meta"):
         model = Llama(cfg, cache_len, fp16_safe, tanh_silu)
+    kept = chunk_modules(cfg, *layers) if layers else None
     weights = {k.removeprefix("model."): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in weights:
+    elif "lm_head.weight" not in weights and (kept is None or "lm_head" in kept):
         raise NpuforgeError("checkpoint has no lm_head.weight and config says untied embeddings")
     expected = {
-        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+        k
+        for k in model.state_dict()
+        if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+        and (kept is None or checkpoint_module(k) in kept)
     }
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     # Some checkpoints store derived rotary buffers; they are recomputed here.
@@ -216,11 +246,28 @@ def build_model(
             "check config.json belongs to these weights"
         )
     model.load_state_dict({k: weights[k] for k in expected}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if kept is not None:
+        for index in range(cfg.num_layers):
+            if f"layers.{index}" not in kept:
+                model.layers[index] = nn.Module()
+        for name in ("embed_tokens", "norm", "lm_head"):
+            if name not in kept:
+                setattr(model, name, nn.Module())
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.embed_tokens.weight
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise NpuforgeError("llama model has unloaded parameters; this is a bug")
     return model.eval()
+
+
+def load_chunk(checkpoint_dir, cfg: LlamaConfig, first: int, last: int, dtype, **options):
+    """``build_model`` of layers [first, last) read from the checkpoint tensor by tensor:
+    the memory of one chunk, not of the model."""
+    kept = chunk_modules(cfg, first, last)
+    state_dict = load_state_dict(
+        checkpoint_dir, dtype, wanted=lambda name: checkpoint_module(name) in kept
+    )
+    return build_model(cfg, state_dict, layers=(first, last), **options)
 
 
 def load_llama(checkpoint_dir, cache_len: int):

@@ -41,7 +41,7 @@ import numpy as np
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, host_inputs, load_config
-from npuforge.models.llama.model import build_model
+from npuforge.models.llama.model import build_model, load_chunk
 from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
 
@@ -136,9 +136,11 @@ def run_from_empty_cache(model, ids: list, cache_len: int, mask_value=MASK_VALUE
         )
 
 
-def kv_prefix_rows(model, cfg, prefix, batch, cache_len, mask_value) -> np.ndarray:
-    """Run ``prefix`` through ``model`` in fp32; its KV rows, for each cache in
-    ``tensors`` order its slots 0..P-1 ([batch, kv_heads, P, head_dim]), float32 LE.
+class PrefixRows:
+    """The KV cache rows of ``prefix`` (token ids every sequence starts with), computed
+    in fp32 chunk by chunk: ``feed`` each chunk's model in layer order; ``rows()`` gives,
+    for each cache in ``tensors`` order, its slots 0..P-1 ([batch, kv_heads, P,
+    head_dim]), float32 LE, concatenated.
 
     Trained models put a massive activation (|h| ~ 2e4 in SmolLM2) on a sequence's first
     token; quantizers that see it spread every activation range over it. With the first
@@ -149,22 +151,47 @@ def kv_prefix_rows(model, cfg, prefix, batch, cache_len, mask_value) -> np.ndarr
     (SmolLM2, 4-bit groups of 64: top-1 0.594, perplexity +80.6 % with the prefix from the
     rounded weights; 0.719, +17.6 % from the weights before).
     """
-    import copy
 
-    import torch
+    def __init__(self, cfg, prefix, batch, cache_len, mask_value):
+        import torch
 
-    wide = (
-        copy.deepcopy(model).float() if model.embed_tokens.weight.dtype != torch.float32 else model
-    )
-    count = len(prefix)
-    _, caches = run_from_empty_cache(wide, [list(prefix)] * batch, cache_len, mask_value)
-    return np.concatenate(
-        [np.ascontiguousarray(c[:, :, :count, :].numpy(), dtype="<f4").ravel() for c in caches]
-    )
+        self.cfg, self.count, self.cache_len = cfg, len(prefix), cache_len
+        self.host = host_inputs(
+            cfg,
+            batch=batch,
+            tokens=self.count,
+            cache_len=cache_len,
+            position=0,
+            mask_value=mask_value,
+        )
+        self.x = torch.tensor([list(prefix)] * batch, dtype=torch.int64)
+        self.parts = []
+
+    def feed(self, model, first: int, last: int):
+        """Run layers [first, last) of ``model`` over the prefix, in fp32 (a float16
+        model is widened in place and left float32: the round trip is exact)."""
+        import torch
+
+        model.float()
+        batch, cfg = self.x.shape[0], self.cfg
+        shape = [batch, cfg.num_kv_heads, self.cache_len, cfg.head_dim]
+        caches = [torch.zeros(shape) for _ in range(2 * (last - first))]
+        roles = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
+        with torch.no_grad():
+            self.x, caches = model(
+                self.x, *(torch.from_numpy(self.host[r]) for r in roles), caches, first, last
+            )
+        self.parts += [
+            np.ascontiguousarray(c[:, :, : self.count, :].numpy(), dtype="<f4").ravel()
+            for c in caches
+        ]
+
+    def rows(self) -> np.ndarray:
+        return np.concatenate(self.parts)
 
 
 def write_kv_prefix(directory, rows, cfg, prefix) -> dict:
-    """``kv_prefix_rows`` written as kv_prefix.bin in ``directory``; its record."""
+    """``PrefixRows.rows()`` written as kv_prefix.bin in ``directory``; its record."""
     names = [cache_name(layer, kind) for layer in range(cfg.num_layers) for kind in ("k", "v")]
     path = Path(directory) / "kv_prefix.bin"
     rows.tofile(path)
@@ -249,12 +276,13 @@ def _export_chunk(model, first, last, inputs, outputs, scratch):
             y, new_caches = self.model(x, *host, list(caches), first, last, embed)
             return (y, *new_caches)
 
+    dtype = next(model.parameters()).dtype
     examples = []
     for spec in inputs:
         if spec["dtype"] == "int64":
             examples.append(torch.zeros(spec["shape"], dtype=torch.int64))
         else:
-            examples.append(torch.zeros(spec["shape"], dtype=model.embed_tokens.weight.dtype))
+            examples.append(torch.zeros(spec["shape"], dtype=dtype))
     # The TorchScript exporter keeps module scopes in node names (/layers.{i}/self_attn/...),
     # which the MHA->SHA pass keys on. Past 2 GB it writes one file per tensor, hence
     # the scratch folder.
@@ -340,7 +368,7 @@ def export_llama(
     tanh_silu: the MLPs' SiLU as x * (1/2 + tanh(x/2) / 2), the same function, which the
     Qualcomm HTP computes in fp16 ten times closer than a Sigmoid after a MatMul.
     kv_prefix: token ids every sequence starts with; their KV cache rows are computed
-    here in fp32 and shipped as the graphs' starting state (``kv_prefix_rows``).
+    here in fp32 and shipped as the graphs' starting state (``PrefixRows``).
     smoothquant: {"alpha": a, "text": calibration text path ("" for the project's)}:
     SmoothQuant scales folded into the weights (``npuforge.models.llama.smoothing``).
     group_offsets: {"group": g}: each decoder matmul's per-group weight minima moved into
@@ -388,46 +416,51 @@ def export_llama(
             "the outliers SmoothQuant moves: keep the precision in one of them"
         )
     # Smoothing needs fp32 activations, the offsets and rotations fp32 weights: the model
-    # is cast after.
+    # is cast after. They change the whole model at once, so it is loaded whole; a plain
+    # export reads one chunk's weights at a time.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    wide = smoothquant or rotate or gptq or any(split_options.values())
-    state_dict = load_state_dict(checkpoint_dir, torch.float32 if wide else torch_dtype)
-    model = build_model(cfg, state_dict, cache_len, fp16_safe=fp16_fixes, tanh_silu=tanh_silu)
-    del state_dict
-    smoothed = rotated = None
-    if smoothquant:
-        smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
-    if rotate:
-        from npuforge.models.llama.rotation import rotate as rotate_model
+    whole = bool(smoothquant or rotate or gptq or any(split_options.values()))
+    build = {"cache_len": cache_len, "fp16_safe": fp16_fixes, "tanh_silu": tanh_silu}
+    prefix_rows = PrefixRows(cfg, kv_prefix, batch, cache_len, mask_value) if kv_prefix else None
+    model = smoothed = rotated = rounded = None
+    split = {}
+    if whole:
+        model = build_model(cfg, load_state_dict(checkpoint_dir, torch.float32), **build)
+        if smoothquant:
+            smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+        if rotate:
+            from npuforge.models.llama.rotation import rotate as rotate_model
 
-        rotated = rotate_model(model, int(rotate["seed"]))
-    prefix_rows = None
-    if kv_prefix:
-        prefix_rows = kv_prefix_rows(model, cfg, kv_prefix, batch, cache_len, mask_value)
-    rounded = None
-    if gptq:
-        mlp_only = bool(block_centres)
-        rounded = _round(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
-    from npuforge.models.llama.group_offsets import split_group_offsets
+            rotated = rotate_model(model, int(rotate["seed"]))
+        if prefix_rows:
+            prefix_rows.feed(model, 0, cfg.num_layers)
+        if gptq:
+            mlp_only = bool(block_centres)
+            rounded = _round(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
+        from npuforge.models.llama.group_offsets import split_group_offsets
 
-    split = {
-        option: split_group_offsets(model, int(chosen["group"]), option)
-        for option, chosen in split_options.items()
-        if chosen
-    }
-    model = model.to(torch_dtype)
+        split = {
+            option: split_group_offsets(model, int(chosen["group"]), option)
+            for option, chosen in split_options.items()
+            if chosen
+        }
+        model = model.to(torch_dtype)
     ranges = split_layers(cfg.num_layers, chunks)
 
     graphs, embedding = [], None
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        if ext_embedding:
-            table = model.embed_tokens.weight.detach().numpy().astype(np_dtype)
-            embedding = embedding_entry(tmp, table)
-        prefix = None
-        if kv_prefix:
-            prefix = write_kv_prefix(tmp, prefix_rows, cfg, kv_prefix)
         for index, (first, last) in enumerate(ranges):
+            chunk = model
+            if not whole:
+                chunk = load_chunk(checkpoint_dir, cfg, first, last, torch_dtype, **build)
+                if prefix_rows:
+                    prefix_rows.feed(chunk, first, last)
+                chunk = chunk.to(torch_dtype)
+            if ext_embedding and index == 0:
+                table = chunk.embed_tokens.weight.detach().numpy().astype(np_dtype)
+                embedding = embedding_entry(tmp, table)
+                del table
             inputs, outputs = _chunk_io(
                 cfg,
                 first,
@@ -439,7 +472,8 @@ def export_llama(
                 ext_embedding=ext_embedding,
             )
             scratch = tmp / f".scratch{index}"
-            proto = _export_chunk(model, first, last, inputs, outputs, scratch)
+            proto = _export_chunk(chunk, first, last, inputs, outputs, scratch)
+            del chunk
             if sha:
                 from npuforge.passes import mha_to_sha
 
@@ -458,6 +492,9 @@ def export_llama(
             if external:
                 graph["external_data"] = external
             graphs.append(graph)
+        prefix = None
+        if prefix_rows:
+            prefix = write_kv_prefix(tmp, prefix_rows.rows(), cfg, kv_prefix)
         meta = {
             "family": "llama",
             "arch": cfg.model_type,

@@ -34,16 +34,21 @@ def safetensors_files(checkpoint_dir) -> list[Path]:
     return files
 
 
-def load_state_dict(checkpoint_dir, dtype=None) -> dict:
-    """All checkpoint tensors as torch tensors of ``dtype`` (default float32)."""
+def load_state_dict(checkpoint_dir, dtype=None, wanted=None) -> dict:
+    """The checkpoint's tensors as torch tensors of ``dtype`` (default float32): all of
+    them, or those whose names ``wanted(name)`` accepts, read one at a time (a chunk's
+    layers never bring the rest of the checkpoint into memory)."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     dtype = dtype or torch.float32
     tensors = {}
     for file in safetensors_files(checkpoint_dir):
-        # Convert file by file so a bf16 checkpoint never sits in memory twice.
-        tensors.update({k: t.to(dtype) for k, t in load_file(str(file)).items()})
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if wanted is None or wanted(name):
+                    # Tensor by tensor: a bf16 checkpoint never sits in memory twice.
+                    tensors[name] = handle.get_tensor(name).to(dtype)
     return tensors
 
 

@@ -1,0 +1,122 @@
+"""Host steps that stream: the Llama export reads one chunk's weights at a time (the same
+bytes as an export from the whole model in memory, a peak that follows the chunk, not the
+model), and the export check holds one model at a time."""
+
+import filecmp
+
+import pytest
+from memory_probe import peak_bytes
+
+from npuforge.models.llama import model as llama_model
+from npuforge.models.llama import onnx_export, weights
+from npuforge.models.llama.onnx_export import export_llama
+
+
+def whole_model(checkpoint_dir, cfg, first, last, dtype, **build):
+    """Every chunk taken from the whole model in memory (how the levers' exports run)."""
+    return llama_model.build_model(cfg, weights.load_state_dict(checkpoint_dir, dtype), **build)
+
+
+@pytest.mark.parametrize(
+    "arch, tied, options",
+    [
+        ("qwen2", True, {"dtype": "fp16", "kv_prefix": [1, 7], "chunks": 3}),
+        ("llama", False, {"dtype": "fp32", "chunks": 2, "ext_embedding": True, "sha": True}),
+        ("qwen3", True, {"dtype": "fp32", "chunks": 4, "kv_prefix": [2]}),
+    ],
+)
+def test_chunk_by_chunk_export_writes_the_whole_models_bytes(
+    tmp_path, monkeypatch, arch, tied, options
+):
+    checkpoint = tmp_path / "ckpt"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=4, embed=64, heads=4, kv_heads=2, vocab=300, intermediate=96,
+        arch=arch, tied=tied, seed=5,
+    )  # fmt: skip
+    common = {"variant": "prefill", "tokens": 4, "cache_len": 32, "fp16_fixes": True, **options}
+    onnx_export.export_llama(checkpoint, tmp_path / "streamed", **common)
+    monkeypatch.setattr(onnx_export, "load_chunk", whole_model)
+    onnx_export.export_llama(checkpoint, tmp_path / "whole", **common)
+    files = sorted(path.name for path in (tmp_path / "streamed").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "whole").iterdir())
+    assert len([name for name in files if name.endswith(".onnx")]) == options["chunks"]
+    _, mismatch, errors = filecmp.cmpfiles(
+        tmp_path / "streamed", tmp_path / "whole", files, shallow=False
+    )
+    assert mismatch == errors == []
+
+
+def test_a_chunk_holds_only_its_own_weights(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=3, embed=32, heads=2, kv_heads=2, vocab=50, intermediate=48, tied=True
+    )
+    cfg = onnx_export.load_config(checkpoint)
+    middle = llama_model.load_chunk(checkpoint, cfg, 1, 2, None, cache_len=16)
+    held = {llama_model.checkpoint_module(name) for name, _ in middle.named_parameters()}
+    assert held == {"layers.1"}
+    last = llama_model.load_chunk(checkpoint, cfg, 2, 3, None, cache_len=16)
+    names = {name for name, _ in last.named_parameters()}
+    # The tied head is the table: the last chunk holds it once.
+    assert "embed_tokens.weight" in names and "norm.weight" in names
+    assert not any(name.startswith(("layers.0", "layers.1")) for name in names)
+
+
+# A first export of a tiny model loads every lazy import (torch.onnx, onnx) before the
+# probe starts counting.
+SETUP = """
+from npuforge.models.llama.onnx_export import export_llama
+export_llama({tiny!r}, {warm!r}, variant="decode", tokens=1, chunks=2, cache_len=8)
+"""
+RUN = """
+export_llama({checkpoint!r}, {out!r}, variant="decode", tokens=1, chunks={chunks}, cache_len=8,
+             ext_embedding=True, dtype="fp16")
+"""
+
+
+def test_the_export_peaks_at_one_chunk_not_the_model(tmp_path):
+    """Peak RSS of a float16 export of one 16-layer model (float32 checkpoint; 134 MB of
+    float16 weights) in 1 and in 16 chunks: the 16-chunk export holds one layer's weights,
+    traced graph and serialized copy at a time, so it peaks below the model's own weights
+    (an export that holds the model cannot) and at under a quarter of the 1-chunk one."""
+    checkpoint, tiny = tmp_path / "ckpt", tmp_path / "tiny"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=16, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
+    )  # fmt: skip
+    weights.write_synthetic_checkpoint(
+        tiny, layers=2, embed=32, heads=2, kv_heads=2, vocab=64, intermediate=48
+    )
+    model_bytes = 2 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+    peaks = {}
+    for chunks in (1, 16):
+        setup = SETUP.format(tiny=str(tiny), warm=str(tmp_path / f"warm{chunks}"))
+        out = str(tmp_path / f"c{chunks}")
+        peaks[chunks] = peak_bytes(
+            setup, RUN.format(checkpoint=str(checkpoint), out=out, chunks=chunks)
+        )
+    assert peaks[16] < model_bytes and peaks[16] < peaks[1] / 4, (peaks, model_bytes)
+
+
+VERIFY_SETUP = """
+import onnxruntime, torch, transformers
+from npuforge.verify import verify_export
+"""
+
+
+def test_the_export_check_holds_one_model_at_a_time(tmp_path):
+    """Peak RSS of verify_onnx's check (transformers' reference, then the decode graphs,
+    then prefill graphs continued by decode ones) on a 32-layer model of 537 MB in
+    float32: each model is released before the next loads, so the check peaks near one
+    model (1.5 times its weights; 2.4 when the reference and both exports' graphs sat
+    in memory together)."""
+    checkpoint = tmp_path / "ckpt"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=32, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
+    )  # fmt: skip
+    model_bytes = 4 * 32 * (4 * 512 * 512 + 3 * 512 * 2048)
+    for variant, tokens in (("decode", 1), ("prefill", 4)):
+        export_llama(checkpoint, tmp_path / variant, variant=variant, tokens=tokens, chunks=4,
+                     cache_len=16, kv_prefix=[1])  # fmt: skip
+    exports = [str(tmp_path / "decode"), str(tmp_path / "prefill")]
+    peak = peak_bytes(VERIFY_SETUP, f"verify_export({exports!r}, {str(checkpoint)!r}, 12)")
+    assert peak < 1.8 * model_bytes, (peak, model_bytes)
