@@ -204,7 +204,7 @@ def growth_table(measured: list[tuple[str, int, dict]]) -> str:
 
 
 def parameters(model: str) -> int:
-    from npuforge.matrix import estimate_params
+    from npuforge.memory_plan import estimate_params
     from npuforge.registry import load_yaml
 
     return estimate_params(load_yaml(REPO / "config" / "models.yaml")[model])

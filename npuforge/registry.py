@@ -260,3 +260,13 @@ def build_options(model: dict, target: dict) -> dict:
     if "verify_steps" in model:
         options["verify_steps"] = model["verify_steps"]
     return options
+
+
+def merged_export(model: dict, target: dict) -> dict:
+    """The target's export choices with the model's own over them (say, more chunks)."""
+    export = dict(target["export"], **model.get("export", {}))
+    if "chunks" in model.get("export", {}):
+        export.pop("chunk_policy", None)
+    elif "chunk_policy" in model.get("export", {}):
+        export.pop("chunks", None)
+    return export

@@ -36,6 +36,7 @@ else:
         f'export PATH={_bin}:"$PATH" PYTHONPATH={_checkout}:"$PYTHONPATH"; '
     )
 
+from npuforge import memory_plan
 from npuforge.calibration_formats import LAYOUT as CALIBRATION_LAYOUT
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import files_digest
@@ -201,17 +202,20 @@ def export_options_json(model, key):
     return as_json(options)
 
 
-def export_mem_mb(model):
-    from npuforge.matrix import estimate_params
+def export_mem_mb(model, key):
+    return memory_plan.export_mem_mb(MODELS[model], PLAN.export_options(model, key))
 
-    # fp32 weights, traced graph and serialized copy, with headroom.
-    return max(1000, int(estimate_params(MODELS[model]) * 4 * 4 / 1e6))
+
+def verify_mem_mb(model):
+    return memory_plan.verify_mem_mb(MODELS[model])
+
+
+def whole_model_mem_mb(model):
+    return memory_plan.whole_model_mem_mb(MODELS[model])
 
 
 def fetch_mem_mb(model):
-    from npuforge.matrix import fetch_mem_mb as planned
-
-    return planned(MODELS[model])
+    return memory_plan.fetch_mem_mb(MODELS[model])
 
 
 def tokenizer_path(model):

@@ -15,7 +15,7 @@ rule export:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: export_mem_mb(w.model),
+        mem_mb=lambda w: export_mem_mb(w.model, w.key),
     params:
         code=step_code("export_onnx"),
         options=lambda w: export_options_json(w.model, w.key),

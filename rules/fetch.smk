@@ -63,7 +63,7 @@ rule dequantize:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: export_mem_mb(w.model),
+        mem_mb=lambda w: whole_model_mem_mb(w.model),
     params:
         code=step_code("dequantize_gguf"),
     shell:
@@ -86,7 +86,7 @@ rule permute:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: export_mem_mb(w.model),
+        mem_mb=lambda w: whole_model_mem_mb(w.model),
     params:
         code=step_code("permute_checkpoint"),
         source=lambda w: as_json(MODELS[w.model]["source"]),
@@ -106,7 +106,7 @@ rule inspect:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: export_mem_mb(w.model),
+        mem_mb=lambda w: whole_model_mem_mb(w.model),
     params:
         code=step_code("inspect_checkpoint"),
         arch=lambda w: as_json(MODELS[w.model]["arch"]),

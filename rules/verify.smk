@@ -15,7 +15,7 @@ rule verify_onnx:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: export_mem_mb(w.model),
+        mem_mb=lambda w: verify_mem_mb(w.model),
     params:
         code=step_code("verify_onnx"),
         tokens=config["verify"]["tokens"],

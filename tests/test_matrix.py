@@ -14,16 +14,13 @@ from npuforge.matrix import (
     Build,
     check_toolchains,
     choose_runtimes,
-    estimate_params,
     export_key,
     export_variants,
-    fetch_mem_mb,
     make_plan,
-    memory_plan,
     parse_selection,
-    policy_chunks,
     select_builds,
 )
+from npuforge.memory_plan import estimate_params, fetch_mem_mb, memory_plan, policy_chunks
 from npuforge.registry import build_options, load_registries
 
 CONFIG = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -797,3 +794,21 @@ def test_a_synthetic_checkpoints_fetch_reserves_its_tensors():
     # float32 tensors, held whole while the file is written
     assert fetch_mem_mb(seed) > estimate_params(seed) * 4 / 1e6
     assert fetch_mem_mb(MODELS["smollm2-135m"]) == fetch_mem_mb(MODELS["rwkv7-tiny"]) == 2000
+
+
+def test_an_export_reserves_its_heaviest_chunk_unless_a_lever_needs_the_whole_model():
+    from npuforge.memory_plan import export_mem_mb, verify_mem_mb, whole_model_mem_mb
+
+    model = MODELS["qwen2.5-1.5b-shape"]
+    whole = whole_model_mem_mb(model)
+    assert whole == math.ceil(estimate_params(model) * 16 / 1e6)
+    one = export_mem_mb(model, {"chunks": 1, "ext_embedding": True})
+    six = export_mem_mb(model, {"chunks": 6, "ext_embedding": True})
+    # Six chunks: the last holds the 233M-parameter head and 4 of the 28 layers.
+    assert six < one / 2 and six < whole / 3
+    assert export_mem_mb(model, {"chunks": 6, "rotate": {"seed": 0}}) == whole
+    # RWKV's exporter reads the checkpoint whole.
+    assert export_mem_mb(MODELS["rwkv7-1.5b-shape"], {"chunks": 6}) == whole_model_mem_mb(
+        MODELS["rwkv7-1.5b-shape"]
+    )
+    assert whole_model_mem_mb(model) > verify_mem_mb(model) > six

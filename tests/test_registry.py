@@ -266,7 +266,7 @@ def test_a_llama_model_without_n_params_is_estimated_and_a_synthetic_one_counted
     """Without arch.n_params a llama from a download is estimated from its dimensions
     (its FFN width is unknown to the registry); a synthetic one is counted tensor by
     tensor from its source, exactly."""
-    from npuforge.matrix import estimate_params
+    from npuforge.memory_plan import estimate_params
 
     models, targets = shipped()
     bad = copy.deepcopy(models)

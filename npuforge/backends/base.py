@@ -57,7 +57,7 @@ WEIGHTS = ("trained", "synthetic")
 HELDOUT_SOURCE = "data/calibration/heldout.txt"
 # Host memory per parameter of one chunk of the fp32 exports that a compile step's own
 # reference run (reference_logits: onnxruntime CPU, one chunk at a time) keeps, for the
-# chunk planner (npuforge.matrix.memory_plan). Measured by tests/test_reference_run.py's
+# chunk planner (npuforge.memory_plan.memory_plan). Measured by tests/test_reference_run.py's
 # model: a 17 MB fp32 chunk takes 58 MB when onnxruntime loads it (3.4 x, 14 bytes per
 # parameter) for the first chunk, ~4 MB more for each later one in the heap the first
 # left. On Qwen2.5-0.5B's shape in 3 chunks (heaviest 255M parameters, 1.02 GB) the run

@@ -61,7 +61,7 @@ PROCESSORS = ("bm1684x", "bm1688")
 # when the matrix is planned (npuforge.matrix.check_batch).
 MAX_BATCH = 1
 # A bmodel net is one graph (check_exports): the planner refuses a build whose compile
-# would need more layer chunks to fit its memory budget (npuforge.matrix.memory_plan).
+# would need more layer chunks to fit its memory budget (npuforge.memory_plan.memory_plan).
 MAX_CHUNKS = 1
 # Host memory a compile takes per parameter of the export (npuforge.matrix plans and
 # reserves memory from it). Not measured yet, so taken high: each TPU-MLIR tool holds a

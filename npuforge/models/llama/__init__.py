@@ -28,6 +28,9 @@ EXPORT_OPTIONS = (
     "rotate",
     "gptq",
 )
+# Export options that change the whole model at once: with one of them the export loads
+# the model whole, without them it reads one chunk's weights at a time.
+WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "gptq")
 
 
 def export_options(model: dict, export: dict, precision: str | None = None) -> dict:

@@ -40,6 +40,7 @@ import numpy as np
 
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
+from npuforge.models.llama import WHOLE_MODEL_OPTIONS
 from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, host_inputs, load_config
 from npuforge.models.llama.model import build_model, load_chunk
 from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
@@ -419,7 +420,8 @@ def export_llama(
     # is cast after. They change the whole model at once, so it is loaded whole; a plain
     # export reads one chunk's weights at a time.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    whole = bool(smoothquant or rotate or gptq or any(split_options.values()))
+    levers = {"smoothquant": smoothquant, "rotate": rotate, "gptq": gptq, **split_options}
+    whole = any(levers[name] for name in WHOLE_MODEL_OPTIONS)
     build = {"cache_len": cache_len, "fp16_safe": fp16_fixes, "tanh_silu": tanh_silu}
     prefix_rows = PrefixRows(cfg, kv_prefix, batch, cache_len, mask_value) if kv_prefix else None
     model = smoothed = rotated = rounded = None
