@@ -28,6 +28,7 @@ byte-identical for the same export, text, and options.
 
 from pathlib import Path
 
+from npuforge import progress
 from npuforge.calibration_formats import LAYOUT, write_samples
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
@@ -152,7 +153,10 @@ def make_calibration_samples(
 
     graphs = meta["graphs"]
     captured = []
-    for doc, start, capture_step in plan:
+    for number, (doc, start, capture_step) in enumerate(plan):
+        progress.stage(
+            f"calibration capture: sample {number + 1} of {len(plan)}", number, len(plan)
+        )
         tokens = doc_tokens[doc][start:]
         captured.append(_feeds_of_run(chain, tokens, capture_step))
 

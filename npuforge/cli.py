@@ -178,9 +178,11 @@ def read_step_resources(log_text: str) -> dict | None:
 def _run_main(main, argv) -> int:
     import time
 
+    from npuforge.progress import Heartbeat
+
     started = time.monotonic()
     try:
-        with ChildrenPeak() as children:
+        with ChildrenPeak() as children, Heartbeat():
             main(argv)
     except NpuforgeError as err:
         return fail(str(err))

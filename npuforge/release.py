@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 
 import npuforge
+from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, dumps_json, read_json, sha256_file
 
@@ -205,8 +206,10 @@ def build_bundle(
             prefix = _kv_prefix_file(Path(export_dir), summary["meta"])
             if prefix is not None:
                 sources.setdefault(prefix.name, prefix)
-        for name, src in sorted(sources.items()):
+        for number, (name, src) in enumerate(sorted(sources.items())):
+            progress.stage(f"bundle: copying {name}", number, len(sources))
             _copy(src, tmp / name)
+        progress.stage("bundle: hashing the files")
         files = {name: sha256_file(tmp / name) for name in sorted(sources)}
 
         manifest = {
@@ -296,7 +299,8 @@ def write_deterministic_tarball(directory, tarball, arcroot: str) -> None:
         with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as gz:
             with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 tar.addfile(_tar_info(arcroot, tarfile.DIRTYPE, 0o755, 0, mtime))
-                for path in paths:
+                for number, path in enumerate(paths):
+                    progress.stage(f"tarball: compressing {path.name}", number, len(paths))
                     name = f"{arcroot}/{path.relative_to(directory).as_posix()}"
                     if path.is_dir():
                         tar.addfile(_tar_info(name, tarfile.DIRTYPE, 0o755, 0, mtime))

@@ -18,6 +18,7 @@ batch row:
 
 from pathlib import Path
 
+from npuforge import progress
 from npuforge.errors import NpuforgeError
 
 TOKEN_SEED = 0
@@ -127,6 +128,7 @@ def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
     decode graphs load and continue from their state."""
     import numpy as np
 
+    progress.stage("prefill graphs: loading, then prefill calls")
     prefill = open_chain(prefill_dir)
     t = prefill.tokens_per_call
     steps = tokens.shape[1]
@@ -146,6 +148,7 @@ def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
     state, position, batch = prefill.state, prefill.position, prefill.batch
     del prefill
     release_memory()
+    progress.stage("decode graphs: loading, then decode calls after the prefill")
     decode_chain = open_chain(decode_dir)
     if batch != decode_chain.batch:
         raise NpuforgeError("prefill and decode exports have different --batch; export them alike")
@@ -188,6 +191,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
     # One model in memory at a time: the reference's is released before the graphs load,
     # and the prefill graphs before decode continues from their state.
     if reference in ("auto", "rwkv"):
+        progress.stage(f"reference: {meta['family']} over {steps} tokens")
         if checkpoint is None:
             raise NpuforgeError(f"--reference {reference} needs --checkpoint")
         prefix = meta.get("kv_prefix", {}).get("tokens", ())
@@ -202,6 +206,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
     else:
         raise NpuforgeError(f"--reference {reference!r} is unknown; use auto or onnx-fp32:DIR")
     release_memory()
+    progress.stage(f"decode graphs: loading, then {steps} calls")
     decode = open_chain(export_dirs[0])
     logits = decode.run(tokens)
     del decode

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from npuforge import progress
 from npuforge.errors import NpuforgeError
 
 VARIANTS = ("decode", "prefill")
@@ -302,6 +303,7 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
     logits = [None] * len(schedule)
     chunks = len(next(iter(exports.values())).graphs)
     for index in range(chunks):
+        progress.stage(f"fp32 reference run: chunk {index + 1} of {chunks}", index, chunks)
         state, serving, session = None, None, None
         for number, call in enumerate(schedule):
             export = exports[call.variant]

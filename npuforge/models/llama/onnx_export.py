@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 from npuforge.models.llama import WHOLE_MODEL_OPTIONS
@@ -427,6 +428,7 @@ def export_llama(
     model = smoothed = rotated = rounded = None
     split = {}
     if whole:
+        progress.stage(f"export {variant}: loading the whole model (its levers change all of it)")
         model = build_model(cfg, load_state_dict(checkpoint_dir, torch.float32), **build)
         if smoothquant:
             smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
@@ -453,6 +455,11 @@ def export_llama(
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         for index, (first, last) in enumerate(ranges):
+            progress.stage(
+                f"export {variant}: chunk {index + 1} of {len(ranges)} (layers {first}-{last - 1})",
+                done=index,
+                total=len(ranges),
+            )
             chunk = model
             if not whole:
                 chunk = load_chunk(checkpoint_dir, cfg, first, last, torch_dtype, **build)

@@ -19,6 +19,7 @@ The result is byte-deterministic: same checkpoint + options -> same sha256.
 import io
 from pathlib import Path
 
+from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, write_json
 from npuforge.models.rwkv import layout
@@ -136,7 +137,13 @@ def export_rwkv(
             table = layout.prepared_embedding(ckpt).numpy().astype(np_dtype)
             embedding = embedding_entry(tmp, table)
             ckpt.release_touched()
-        for index, layers in enumerate(split_layers(cfg.n_layers, chunks)):
+        ranges = split_layers(cfg.n_layers, chunks)
+        for index, layers in enumerate(ranges):
+            progress.stage(
+                f"export {variant}: chunk {index + 1} of {len(ranges)} (layers {layers})",
+                done=index,
+                total=len(ranges),
+            )
             spec = layout.GraphSpec(
                 config=cfg,
                 layers=layers,

@@ -1,0 +1,35 @@
+"""A long step says in its log what it is doing, how far along it is and about how long
+is left (npuforge.progress, run by every step CLI through npuforge.cli.run_cli)."""
+
+import io
+import time
+
+from npuforge import progress
+
+
+def test_the_stage_reports_its_time_and_what_is_left():
+    start = time.monotonic()
+    progress.stage("export decode: chunk 1 of 4", done=0, total=4)
+    progress.stage("export decode: chunk 2 of 4", done=1, total=4)
+    # 30 s for the first chunk of four: about 90 s left; 5 s into the second.
+    progress._state.update(counting_since=start - 30, since=start - 5)
+    line = progress.describe(now=start)
+    assert line == (
+        "progress: export decode: chunk 2 of 4 (5 s in this stage); 1 of 4 done, about 90 s left"
+    )
+    progress.stage("bundle: hashing the files")
+    assert progress.describe().startswith("progress: bundle: hashing the files (0 s")
+    assert "left" not in progress.describe()
+
+
+def test_the_heartbeat_writes_the_stage_while_the_step_runs():
+    out = io.StringIO()
+    with progress.Heartbeat(every=0.05, out=out):
+        progress.stage("reference: llama over 16 tokens")
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3
+    assert all(line.startswith("progress: reference: llama over 16 tokens (") for line in lines)
+    written = len(lines)
+    time.sleep(0.15)
+    assert len(out.getvalue().splitlines()) == written  # stopped with the step
