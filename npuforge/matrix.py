@@ -251,8 +251,11 @@ def export_variants(model: dict, target: dict, precision: str | None = None) -> 
         "dtype": export["dtype"],
         "ext_embedding": bool(export.get("ext_embedding", False)),
         "batch": int(export.get("batch", 1)),
-        "chunks": memory_plan(model, target, precision).chunks,
     }
+    plan = memory_plan(model, target, precision)
+    common["chunks"] = plan.chunks
+    if plan.layers_per_chunk:
+        common["layers_per_chunk"] = list(plan.layers_per_chunk)
     if export.get("external_data"):
         # weights in chunkN.onnx.data even below the 2 GB protobuf limit
         common["external_data"] = True

@@ -106,7 +106,7 @@ def export_mem_mb(model: dict, options: dict) -> int:
     layers = int(model["arch"]["layers"])
     sizes = chunk_params(
         parameter_counts(model), layers, int(options.get("chunks", 1)),
-        bool(options.get("ext_embedding", False)),
+        bool(options.get("ext_embedding", False)), options.get("layers_per_chunk"),
     )  # fmt: skip
     return _step_mb(max(sizes) * EXPORT_CHUNK_BYTES_PER_PARAM)
 
@@ -125,18 +125,36 @@ def estimate_params(model: dict) -> int:
     return parameter_counts(model)["total"]
 
 
-def chunk_params(counts: dict, layers: int, chunks: int, ext_embedding: bool) -> list[int]:
+def chunk_params(
+    counts: dict, layers: int, chunks: int, ext_embedding: bool, layers_per_chunk=None
+) -> list[int]:
     """Parameters in each chunk's graph, split as the exporters split the layers
     (``npuforge.onnx_io.split_layers``): the table in the first unless it is external,
     the head in the last."""
     sizes = []
-    for index, (start, end) in enumerate(split_layers(layers, chunks)):
+    for index, (start, end) in enumerate(split_layers(layers, chunks, layers_per_chunk)):
         size = (end - start) * counts["per_layer"]
         if index == 0 and not ext_embedding:
             size += counts["embedding"]
         if index == chunks - 1:
             size += counts["head"]
         sizes.append(size)
+    return sizes
+
+
+def balanced_sizes(layers: int, limits: list[int]) -> list[int] | None:
+    """Layers per chunk, chunk i taking at most ``limits[i]``, as even as the limits allow
+    and earlier chunks larger (with no limit reached: ``split_layers``' even split); None
+    if the chunks cannot take every layer."""
+    if min(limits) < 1 or sum(limits) < layers:
+        return None
+    level = next(t for t in range(1, layers + 1) if sum(min(m, t) for m in limits) >= layers)
+    sizes = [min(m, level) for m in limits]
+    surplus = sum(sizes) - layers
+    for index in reversed(range(len(sizes))):
+        if surplus and sizes[index] == level:
+            sizes[index] -= 1
+            surplus -= 1
     return sizes
 
 
@@ -150,6 +168,9 @@ class MemoryPlan:
     """Layer chunks of one build's exports and the host memory its compile job needs."""
 
     chunks: int
+    # Layers per chunk where the chunks are not even (the head's chunk takes fewer), else
+    # None: the exporters' even split.
+    layers_per_chunk: tuple | None
     # The compile job's peak by the backend's figures: its largest chunk's compile (a
     # toolchain process) beside what the step's fp32 reference run over that chunk kept
     # (the run holds one chunk at a time; the heap it leaves stays with the step).
@@ -179,17 +200,31 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     external = bool(export.get("ext_embedding", False))
     reference = base.REFERENCE_BYTES_PER_PARAM
 
-    def need(chunks: int) -> int:
-        heaviest = max(chunk_params(counts, layers, chunks, external))
+    policy = export.get("chunk_policy")
+    # The most parameters one chunk may hold: its compile within the budget, its weights
+    # within the device's limit.
+    most_params = budget / (per_param + reference)
+    if policy:
+        most_params = min(most_params, policy["max_chunk_bytes"] / policy["bytes_per_param"])
+
+    def need(chunks: int, sizes=None) -> int:
+        heaviest = max(chunk_params(counts, layers, chunks, external, sizes))
         return int((per_param + reference) * heaviest)
+
+    def sizes_for(chunks: int) -> list[int] | None:
+        extra = [0] * chunks
+        extra[0] += 0 if external else counts["embedding"]
+        extra[-1] += counts["head"]
+        limits = [max(0, int((most_params - e) // counts["per_layer"])) for e in extra]
+        return balanced_sizes(layers, limits)
 
     fix = "raise the target's memory_budget_gb or build on a host with more memory"
     most = int(getattr(backend, "MAX_CHUNKS", layers))
     fewest = min(layers, policy_chunks(model, export))
-    fitting = next((n for n in range(fewest, layers + 1) if need(n) <= budget), None)
     if "chunks" in export:
         chunks = max(1, min(int(export["chunks"]), layers))
-        plan = MemoryPlan(chunks, need(chunks), int(budget))
+        plan = MemoryPlan(chunks, None, need(chunks), int(budget))
+        fitting = next((n for n in range(fewest, layers + 1) if sizes_for(n)), None)
         if chunks > most:
             problem = (
                 f"export.chunks is {chunks}, but the {target['backend']} backend builds "
@@ -205,22 +240,28 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
             )
             return dataclasses.replace(plan, problem=problem)
         return plan
-    if fitting is not None and fitting > most:
-        problem = (
-            f"{fitting} layer chunks are needed to stay within memory_budget_gb "
-            f"{budget / 1e9:g}, but the {target['backend']} backend builds exports of at "
-            f"most {most} chunk(s) so far; {fix}"
-        )
-        return MemoryPlan(fitting, need(fitting), int(budget), problem)
-    if fitting is not None:
-        return MemoryPlan(fitting, need(fitting), int(budget))
+    for chunks in range(fewest, layers + 1):
+        sizes = sizes_for(chunks)
+        if sizes is None:
+            continue
+        even = [end - start for start, end in split_layers(layers, chunks)]
+        sizes = None if sizes == even else tuple(sizes)
+        plan = MemoryPlan(chunks, sizes, need(chunks, sizes), int(budget))
+        if chunks > most:
+            problem = (
+                f"{chunks} layer chunks are needed to stay within memory_budget_gb "
+                f"{budget / 1e9:g}, but the {target['backend']} backend builds exports of at "
+                f"most {most} chunk(s) so far; {fix}"
+            )
+            return dataclasses.replace(plan, problem=problem)
+        return plan
     what = (
         f"one layer with the head (the heaviest one-layer chunk) needs about "
         f"{_gb(need(layers))} to compile ({per_param:g} bytes/parameter, "
         f"npuforge.backends.{target['backend']}, and {reference:g} for the fp32 reference run)"
     )
     problem = f"{what}, over the target's memory_budget_gb of {budget / 1e9:g}; {fix}"
-    return MemoryPlan(layers, need(layers), int(budget), problem)
+    return MemoryPlan(layers, None, need(layers), int(budget), problem)
 
 
 def policy_chunks(model: dict, export: dict) -> int:

@@ -279,10 +279,21 @@ def _write_blocks(handle, blocks, header, nbytes) -> None:
         )
 
 
-def split_layers(n_layers: int, chunks: int) -> list:
-    """Consecutive [start, end) layer ranges, as even as possible, earlier ones larger."""
+def split_layers(n_layers: int, chunks: int, layers_per_chunk=None) -> list:
+    """Consecutive [start, end) layer ranges: ``layers_per_chunk`` layers each where the
+    plan gives them (a chunk holding the head takes fewer), else as even as possible,
+    earlier ones larger."""
     if chunks < 1 or chunks > n_layers:
         raise NpuforgeError(f"--chunks {chunks} must be between 1 and the {n_layers} layers")
+    if layers_per_chunk:
+        sizes = [int(size) for size in layers_per_chunk]
+        if len(sizes) != chunks or sum(sizes) != n_layers or min(sizes) < 1:
+            raise NpuforgeError(
+                f"layers_per_chunk {sizes} must give each of the {chunks} chunks at least one "
+                f"of the {n_layers} layers, all of them"
+            )
+        ends = [sum(sizes[: i + 1]) for i in range(chunks)]
+        return [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
     base, extra = divmod(n_layers, chunks)
     ranges, start = [], 0
     for i in range(chunks):

@@ -812,3 +812,33 @@ def test_an_export_reserves_its_heaviest_chunk_unless_a_lever_needs_the_whole_mo
         MODELS["rwkv7-1.5b-shape"]
     )
     assert whole_model_mem_mb(model) > verify_mem_mb(model) > six
+
+
+@pytest.mark.parametrize("layers", [1, 5, 24, 28])
+def test_balanced_sizes_are_the_even_split_until_a_limit_binds(layers):
+    from npuforge.memory_plan import balanced_sizes
+    from npuforge.onnx_io import split_layers
+
+    for chunks in range(1, layers + 1):
+        even = [end - start for start, end in split_layers(layers, chunks)]
+        assert balanced_sizes(layers, [layers] * chunks) == even
+    if layers == 28:
+        # The last chunk holds the head: one layer beside it, the rest spread evenly.
+        assert balanced_sizes(28, [6, 6, 6, 6, 6, 1]) == [6, 6, 5, 5, 5, 1]
+        assert balanced_sizes(28, [6, 6, 6, 6, 6, 0]) is None
+        assert balanced_sizes(28, [5, 5, 5, 5, 5, 1]) is None
+
+
+def test_the_plan_gives_the_heads_chunk_fewer_layers_where_even_chunks_do_not_fit():
+    model = MODELS["qwen2.5-1.5b-shape"]
+    target = dict(TARGETS["RK3588"], memory_budget_gb=16)
+    plan = memory_plan(model, target, "fp16")
+    assert plan.problem is None and plan.need_bytes <= 16e9
+    assert plan.chunks == 6 and plan.layers_per_chunk == (6, 6, 5, 5, 5, 1)
+    # Six even chunks put the head beside five layers: over the budget.
+    even = dict(target, export=dict(target["export"], chunks=6))
+    assert "over the target's memory_budget_gb of 16" in memory_plan(model, even, "fp16").problem
+    # The export follows the plan; a plan whose even split fits keeps it (and its key).
+    (options, *_) = export_variants(model, target, "fp16")
+    assert options["layers_per_chunk"] == [6, 6, 5, 5, 5, 1]
+    assert "layers_per_chunk" not in export_variants(MODELS["smollm2-135m"], TARGETS["RK3588"])[0]

@@ -22,7 +22,7 @@ def whole_model(checkpoint_dir, cfg, first, last, dtype, **build):
     [
         ("qwen2", True, {"dtype": "fp16", "kv_prefix": [1, 7], "chunks": 3}),
         ("llama", False, {"dtype": "fp32", "chunks": 2, "ext_embedding": True, "sha": True}),
-        ("qwen3", True, {"dtype": "fp32", "chunks": 4, "kv_prefix": [2]}),
+        ("qwen3", True, {"dtype": "fp32", "chunks": 3, "layers_per_chunk": [2, 1, 1]}),
     ],
 )
 def test_chunk_by_chunk_export_writes_the_whole_models_bytes(

@@ -28,6 +28,7 @@ COMMON_EXPORT_OPTIONS = (
     "tokens",
     "dtype",
     "chunks",
+    "layers_per_chunk",
     "batch",
     "ext_embedding",
     "external_data",

@@ -341,6 +341,7 @@ def export_llama(
     tokens: int | None = None,
     dtype: str = "fp32",
     chunks: int = 1,
+    layers_per_chunk: list | None = None,
     batch: int = 1,
     cache_len: int | None = None,
     sha: bool = False,
@@ -359,7 +360,8 @@ def export_llama(
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
 
     variant "decode" is AR-1 (tokens must be 1); "prefill" is AR-N with N = tokens
-    (default DEFAULT_PREFILL_TOKENS). ext_embedding=True writes embedding.bin
+    (default DEFAULT_PREFILL_TOKENS). layers_per_chunk: each chunk's layer count where the
+    memory plan gives them (else split evenly). ext_embedding=True writes embedding.bin
     (npuforge.onnx_io layout) and the first chunk takes rows of it (role "embedding").
     cache_len defaults to min(max_position_embeddings, 2048). sha=True applies the
     MHA->SHA pass (npuforge.passes.mha_to_sha) to every chunk. external_data: weights
@@ -449,7 +451,7 @@ def export_llama(
             if chosen
         }
         model = model.to(torch_dtype)
-    ranges = split_layers(cfg.num_layers, chunks)
+    ranges = split_layers(cfg.num_layers, chunks, layers_per_chunk)
 
     graphs, embedding = [], None
     with atomic_path(out_dir) as tmp:

@@ -91,6 +91,7 @@ def export_rwkv(
     variant="decode",
     tokens=None,
     chunks=1,
+    layers_per_chunk=None,
     dtype="fp32",
     batch=1,
     ext_embedding=False,
@@ -137,7 +138,7 @@ def export_rwkv(
             table = layout.prepared_embedding(ckpt).numpy().astype(np_dtype)
             embedding = embedding_entry(tmp, table)
             ckpt.release_touched()
-        ranges = split_layers(cfg.n_layers, chunks)
+        ranges = split_layers(cfg.n_layers, chunks, layers_per_chunk)
         for index, layers in enumerate(ranges):
             progress.stage(
                 f"export {variant}: chunk {index + 1} of {len(ranges)} (layers {layers})",
