@@ -338,6 +338,61 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
     assert all(os.path.isabs(p) for p in (spec["work_dir"], spec["out_dir"], spec["bmodel"]))
 
 
+@pytest.fixture(scope="module")
+def chunked_exports(exports, tmp_path_factory):
+    """The same RWKV-7 checkpoint exported in two chunks per variant."""
+    root = tmp_path_factory.mktemp("tpumlir_chunked")
+    for variant, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
+        options = {"family": "rwkv", "variant": variant, "tokens": tokens, "dtype": "fp32",
+                   "chunks": 2}  # fmt: skip
+        _run(
+            "export_onnx.py",
+            *("--checkpoint", exports / "demo.pth", "--out-dir", root / variant),
+            *("--options", json.dumps(options)),
+        )
+    return root
+
+
+def test_a_chunked_export_is_one_net_per_chunk_handing_its_hidden_state_on(
+    chunked_exports, exports, tmp_path
+):
+    """Two chunks per variant: four nets (transform and deploy each) combined into one
+    bmodel; chunk 1's --test_input is what chunk 0 handed on in a real run (RWKV-7: the
+    hidden state and v_first), and the cmodel run chains the nets in chunk order."""
+    dirs = [chunked_exports / "decode", chunked_exports / "prefill"]
+    request = _request(dirs, "bm1688", "f16", tmp_path)
+    loaded = base.load_exports(request.exports, "tpumlir")
+    schedule = base.verification_schedule(loaded, PREFILL_TOKENS + 3)
+    ids = base.verification_tokens(PREFILL_TOKENS + 3, loaded["decode"])["ids"]
+    calls = base.write_call_feeds(loaded, schedule, ids, tmp_path)
+    feeds = tpumlir.net_test_feeds(request, loaded)
+    spec = tpumlir.build_spec(request, loaded, tmp_path / "out", tmp_path / "work", feeds, calls)
+    nets = ["decode_0", "decode_1", "prefill_0", "prefill_1"]
+    assert [g["net"] for g in spec["graphs"]] == nets
+    assert [s["name"] for s in spec["steps"]] == [
+        f"{net}:{stage}" for net in nets for stage in ("model_transform", "model_deploy")
+    ] + ["model_tool:combine"]
+    combine = spec["steps"][-1]["argv"]
+    assert [Path(a).name for a in combine if a.endswith(".bmodel")][:4] == [
+        f"{net}_bm1688_f16.bmodel" for net in nets
+    ]
+    chains = spec["verify"]["nets"]
+    assert {v: list(chain) for v, chain in chains.items()} == {
+        "decode": ["decode_0", "decode_1"], "prefill": ["prefill_0", "prefill_1"],
+    }  # fmt: skip
+    assert "logits" in chains["decode"]["decode_1"] and "logits" not in chains["decode"]["decode_0"]
+    second = next(s for s in spec["steps"] if s["name"] == "decode_1:model_transform")
+    pairs = dict(zip(second["argv"][1::2], second["argv"][2::2], strict=True))
+    with np.load(pairs["--test_input"]) as data:
+        assert {"hidden_in", "v_first_in"} <= set(data.files) and "tokens" not in data.files
+        assert list(data["hidden_in"].shape) == [1, 1, 128]
+        assert np.abs(data["hidden_in"]).max() > 0  # a real run's, not zeros
+    first = next(s for s in spec["steps"] if s["name"] == "decode_0:model_transform")
+    pairs = dict(zip(first["argv"][1::2], first["argv"][2::2], strict=True))
+    with np.load(pairs["--test_input"]) as data:
+        assert "tokens" in data.files and "hidden_in" not in data.files
+
+
 def test_test_input_run_fits_the_kv_cache():
     """Two prefill calls when the cache holds them and a decode token after, else one."""
     from types import SimpleNamespace

@@ -2,7 +2,10 @@
 
 Per graph, TPU-MLIR's documented chain (quick start, "Compile the ONNX model";
 ``tpumlir_commands``): model_transform, run_calibration (INT8), model_deploy, then
-model_tool --combine of the decode and prefill bmodels.
+model_tool --combine of every net's bmodel. A chunked export gives one net per chunk
+and variant (``decode_0``, ``decode_1``, ...: each chunk's hidden state is the next
+one's input), as LLM-TPU compiles one net per block, so no tool holds more than a
+chunk; a one-chunk export's nets keep the variant's name.
 
 Then the combined bmodel runs on TPU-MLIR's cmodel over the held-out text (one
 prefill call, then decode calls carrying the states; ``npuforge.backends.base``)
@@ -60,9 +63,6 @@ PROCESSORS = ("bm1684x", "bm1688")
 # logits as [tokens, vocab]), so a batch-2 bmodel would go out unverified: refused
 # when the matrix is planned (npuforge.matrix.check_batch).
 MAX_BATCH = 1
-# A bmodel net is one graph (check_exports): the planner refuses a build whose compile
-# would need more layer chunks to fit its memory budget (npuforge.memory_plan.memory_plan).
-MAX_CHUNKS = 1
 # Host memory a compile takes per parameter of the export (npuforge.matrix plans and
 # reserves memory from it). Not measured yet, so taken high: each TPU-MLIR tool holds a
 # few float32 copies of a net's weights (the ONNX graph, the MLIR weight file, the
@@ -236,14 +236,15 @@ def tolerance(options: Options, precision: str) -> str:
     return value
 
 
+def net_name(variant: str, chunk: int, chunks: int) -> str:
+    """A net's name in the combined bmodel: the variant's, with the chunk's index when
+    the export has several."""
+    return variant if chunks == 1 else f"{variant}_{chunk}"
+
+
 def check_exports(exports: dict) -> None:
-    """A bmodel net is one static graph that looks up its own embedding."""
+    """A bmodel net is one static graph; the first chunk's looks up its own embedding."""
     for export in exports.values():
-        if len(export.graphs) > MAX_CHUNKS:
-            raise NpuforgeError(
-                f"{export.dir}: TPU-MLIR takes one graph per variant, this export has "
-                f"{len(export.graphs)} chunks: set export.chunks: 1 for the target"
-            )
         if export.meta.get("options", {}).get("ext_embedding"):
             raise NpuforgeError(
                 f"{export.dir}: exported with an external embedding, which the bmodel cannot "
@@ -254,22 +255,121 @@ def check_exports(exports: dict) -> None:
 # ---------------------------------------------------------------- the job spec
 
 
-def _net_plan(export) -> dict:
-    graph = export.graphs[0]
-    logits = [o["name"] for o in graph["outputs"] if o.get("role") == "logits"]
-    if len(logits) != 1:
+def _net_plan(export, chunk: int) -> dict:
+    """What the cmodel run needs of one chunk's net: its inputs and outputs in graph
+    order, and (the last chunk's) the logits output. A chunk's ``hidden`` outputs
+    (``<base>_out``) feed the next chunk's ``<base>_in``, as ``npuforge.runtime`` runs them."""
+    graph = export.graphs[chunk]
+    roles = [o.get("role") for o in graph["outputs"]]
+    last = chunk == len(export.graphs) - 1
+    if last and roles.count("logits") != 1 or not last and "hidden" not in roles:
         raise NpuforgeError(
-            f"{export.dir}: the {export.variant} graph has {len(logits)} logits outputs, the "
-            "verification needs one: re-export the graphs with this npuforge"
+            f"{export.dir}: chunk {chunk} of the {export.variant} graphs does not hand on "
+            f"{'one logits output' if last else 'a hidden state'}, which the verification "
+            "needs: re-export the graphs with this npuforge"
         )
-    return {
+    plan = {
+        "chunk": chunk,
         "inputs": [
             {k: spec[k] for k in ("name", "shape", "role", "output") if k in spec}
             for spec in graph["inputs"]
         ],
         "outputs": [{"name": o["name"], "role": o.get("role")} for o in graph["outputs"]],
-        "logits": logits[0],
     }
+    if last:
+        plan["logits"] = graph["outputs"][roles.index("logits")]["name"]
+    return plan
+
+
+def _net_steps(build: dict, export, chunk: int, net: str, work_dir: Path, test_feeds: dict):
+    """The chain of one net (one chunk of one variant): model_transform, run_calibration
+    (INT8), model_deploy; and its record for the spec's ``graphs``. ``build``: the
+    precision, chip, quantize mode, tolerance, calibration directories, W4F16 group and
+    options the nets share."""
+    precision, chip, options = build["precision"], build["chip"], build["options"]
+    graph = export.graphs[chunk]
+    onnx_path = (export.dir / graph["file"]).resolve()
+    inputs = graph_inputs(onnx_path)
+    gdir = work_dir / net
+    test_input = gdir / "test_input.npz"
+    fed = test_feeds[export.variant]
+    written = make_test_input(inputs, fed["feeds"][chunk], test_input)
+    top_outputs = gdir / f"{net}_top_outputs.npz"
+    mlir = gdir / f"{net}.mlir"
+    bmodel = gdir / f"{net}_{chip}_{precision}.bmodel"
+    steps = [
+        {
+            "name": f"{net}:model_transform",
+            "graph": net,
+            "stage": "transform",
+            "cwd": str(gdir),
+            "argv": transform_command(net, onnx_path, inputs, test_input, top_outputs, mlir),
+            "expects": [str(mlir), str(top_outputs)],
+        }
+    ]
+    table = None
+    if precision in CALIBRATED:
+        samples = calibration_samples(build["calibration"], inputs)
+        if not samples:
+            where = ", ".join(str(d) for d in _as_dirs(build["calibration"]))
+            raise NpuforgeError(
+                f"no calibration sample in {where} fits the {net} graph (inputs "
+                f"{[s['name'] for s in inputs]}): pass --calibration with samples made by "
+                f"make_calibration_samples.py --export {export.dir}"
+            )
+        data_list = gdir / "calibration_list.txt"
+        data_list.write_text("".join(f"{s}\n" for s in samples), encoding="utf-8")
+        table = gdir / f"{net}_cali_table"
+        steps.append(
+            {
+                "name": f"{net}:run_calibration",
+                "graph": net,
+                "stage": "calibration",
+                "cwd": str(gdir),
+                "argv": calibration_command(
+                    mlir, data_list, len(samples), chip, table, options.int8_calibration_method
+                ),
+                "expects": [str(table)],
+            }
+        )
+    qtable = None
+    # Only INT8 and W4F16 builds take a quantize table: others never read the graph.
+    modes = {}
+    if precision == "int8":
+        modes = int8_modes(options, onnx_path, graph["inputs"])
+    elif precision == "w4f16":
+        modes = w4f16_modes(options, onnx_path, export)
+    if modes:
+        qtable = gdir / f"{net}_qtable"
+        lines = "".join(f"{name} {mode}\n" for name, mode in sorted(modes.items()))
+        qtable.write_text(lines, encoding="utf-8")
+    deploy = deploy_command(
+        mlir, build["quantize"], chip, test_input, top_outputs, build["tolerance"], bmodel,
+        calibration_table=table, q_group_size=build["group"], quantize_table=qtable,
+    )  # fmt: skip
+    steps.append(
+        {
+            "name": f"{net}:model_deploy",
+            "graph": net,
+            "stage": "deploy",
+            "cwd": str(gdir),
+            "argv": deploy,
+            "expects": [str(bmodel)],
+        }
+    )
+    record = {
+        "net": net,
+        "variant": export.variant,
+        "chunk": chunk,
+        "layers": graph.get("layers"),
+        "export": str(export.dir),
+        "onnx": str(onnx_path),
+        "tokens_per_call": export.tokens_per_call,
+        "inputs": written,
+        # --test_input: this net's feeds at this position of a held-out text run.
+        "test_input_position": fed["position"],
+    }
+    return steps, record
 
 
 def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, calls=None) -> dict:
@@ -292,102 +392,18 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
 
     # W4F16's weight group (the nets' exports share their options).
     group = w4f16_group(options, next(iter(exports.values()))) if precision == "w4f16" else None
+    build = {
+        "precision": precision, "chip": chip, "quantize": quantize, "tolerance": tolerance_arg,
+        "calibration": calibration, "group": group, "options": options,
+    }  # fmt: skip
     steps, graphs, bmodels = [], [], []
     for variant, export in exports.items():
-        onnx_path = (export.dir / export.graphs[0]["file"]).resolve()
-        inputs = graph_inputs(onnx_path)
-        gdir = work_dir / variant
-        test_input = gdir / "test_input.npz"
-        written = make_test_input(inputs, test_feeds[variant]["feeds"], test_input)
-        top_outputs = gdir / f"{variant}_top_outputs.npz"
-        mlir = gdir / f"{variant}.mlir"
-        bmodel = gdir / f"{variant}_{chip}_{precision}.bmodel"
-        steps.append(
-            {
-                "name": f"{variant}:model_transform",
-                "graph": variant,
-                "stage": "transform",
-                "cwd": str(gdir),
-                "argv": transform_command(
-                    variant, onnx_path, inputs, test_input, top_outputs, mlir
-                ),
-                "expects": [str(mlir), str(top_outputs)],
-            }
-        )
-        table = None
-        if precision in CALIBRATED:
-            samples = calibration_samples(calibration, inputs)
-            if not samples:
-                where = ", ".join(str(d) for d in _as_dirs(calibration))
-                raise NpuforgeError(
-                    f"no calibration sample in {where} fits the {variant} graph (inputs "
-                    f"{[s['name'] for s in inputs]}): pass --calibration with samples made by "
-                    f"make_calibration_samples.py --export {export.dir}"
-                )
-            data_list = gdir / "calibration_list.txt"
-            data_list.write_text("".join(f"{s}\n" for s in samples), encoding="utf-8")
-            table = gdir / f"{variant}_cali_table"
-            steps.append(
-                {
-                    "name": f"{variant}:run_calibration",
-                    "graph": variant,
-                    "stage": "calibration",
-                    "cwd": str(gdir),
-                    "argv": calibration_command(
-                        mlir,
-                        data_list,
-                        len(samples),
-                        chip,
-                        table,
-                        options.int8_calibration_method,
-                    ),
-                    "expects": [str(table)],
-                }
-            )
-        qtable = None
-        # Only INT8 and W4F16 builds take a quantize table: others never read the graph.
-        modes = {}
-        if precision == "int8":
-            modes = int8_modes(options, onnx_path, export.graphs[0]["inputs"])
-        elif precision == "w4f16":
-            modes = w4f16_modes(options, onnx_path, export)
-        if modes:
-            qtable = gdir / f"{variant}_qtable"
-            lines = "".join(f"{name} {mode}\n" for name, mode in sorted(modes.items()))
-            qtable.write_text(lines, encoding="utf-8")
-        steps.append(
-            {
-                "name": f"{variant}:model_deploy",
-                "graph": variant,
-                "stage": "deploy",
-                "cwd": str(gdir),
-                "argv": deploy_command(
-                    mlir,
-                    quantize,
-                    chip,
-                    test_input,
-                    top_outputs,
-                    tolerance_arg,
-                    bmodel,
-                    calibration_table=table,
-                    q_group_size=group,
-                    quantize_table=qtable,
-                ),
-                "expects": [str(bmodel)],
-            }
-        )
-        graphs.append(
-            {
-                "net": variant,
-                "export": str(export.dir),
-                "onnx": str(onnx_path),
-                "tokens_per_call": export.tokens_per_call,
-                "inputs": written,
-                # --test_input: this net's feeds at this position of a held-out text run.
-                "test_input_position": test_feeds[variant]["position"],
-            }
-        )
-        bmodels.append(bmodel)
+        for chunk in range(len(export.graphs)):
+            net = net_name(variant, chunk, len(export.graphs))
+            net_steps, record = _net_steps(build, export, chunk, net, work_dir, test_feeds)
+            steps += net_steps
+            graphs.append(record)
+            bmodels.append(Path(net_steps[-1]["expects"][0]))
 
     final = out_dir / f"{target.lower()}_{precision}.bmodel"
     steps.append(
@@ -404,7 +420,14 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
     if calls:
         verify = {
             "calls": calls,
-            "nets": {variant: _net_plan(export) for variant, export in exports.items()},
+            # Each variant's nets in chunk order: a call runs them one after another.
+            "nets": {
+                variant: {
+                    net_name(variant, chunk, len(export.graphs)): _net_plan(export, chunk)
+                    for chunk in range(len(export.graphs))
+                }
+                for variant, export in exports.items()
+            },
             "outputs": str(work_dir / "verify" / "verify_logits.npy"),
         }
     return {
@@ -478,7 +501,11 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
         "target": spec["target"],
         "precision": spec["precision"],
         "artifacts": artifacts,
-        "split": {"chunks": 1, "reason": "decode and prefill nets combined into one bmodel"},
+        "split": {
+            "chunks": max(g["chunk"] for g in spec["graphs"]) + 1,
+            "layers": [g["layers"] for g in spec["graphs"] if g["variant"] == "decode"],
+            "reason": "one net per chunk and graph variant, combined into one bmodel",
+        },
         "toolchain": base.toolchain_record(stamp, result.get("versions")),
         "verification": {**(verification or {}), "tpumlir": tpumlir_checks(spec, result)},
         "nets": [

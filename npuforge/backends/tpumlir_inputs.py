@@ -47,19 +47,19 @@ def test_schedule(exports: dict) -> list:
 
 
 def real_test_feeds(exports: dict, schedule, ids) -> dict:
-    """Each variant's feeds at its last call of ``schedule`` over ``ids`` (held-out text),
-    run by onnxruntime on the fp32 exports: real tokens, mask and position rows, and the
-    states a real run carries, so TPU-MLIR's own similarity checks see what a device sees.
-    One-chunk exports (``tpumlir.check_exports``). Returns
-    ``{variant: {"position": p, "feeds": {input name: array}}}``."""
+    """Each net's feeds at its variant's last call of ``schedule`` over ``ids`` (held-out
+    text), run by onnxruntime on the fp32 exports: real tokens, mask and position rows,
+    the hidden state the chunk before hands on and the states a real run carries, so
+    TPU-MLIR's own similarity checks see what a device sees. Returns
+    ``{variant: {"position": p, "feeds": [{input name: array} per chunk]}}``."""
     import numpy as np
 
     from npuforge.backends import base
 
-    captured = {}
+    captured = {variant: [None] * len(export.graphs) for variant, export in exports.items()}
 
     def capture(variant, chunk, feeds):
-        captured[variant] = {k: np.array(v, copy=True) for k, v in feeds.items()}
+        captured[variant][chunk] = {k: np.array(v, copy=True) for k, v in feeds.items()}
 
     base.reference_logits(exports, schedule, ids, capture=capture)
     last = {call.variant: call.position for call in schedule}

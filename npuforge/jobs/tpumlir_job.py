@@ -303,9 +303,11 @@ def _runtime_outputs(net, np, bf16_to_fp32) -> list:
 def verify(spec: dict) -> None:
     """Run the combined bmodel's nets on the cmodel over the recurrent calls of the spec.
 
-    Each call feeds its host inputs (from the main environment's .npz) by name and
-    every state input from the previous call's matching output (zeros at first);
-    outputs are matched to the export's by position, the order TPU-MLIR keeps.
+    A call runs its variant's nets in chunk order, each chunk's hidden outputs
+    (``<base>_out``) the next one's hidden inputs (``<base>_in``). Each net takes its host
+    inputs (from the main environment's .npz, ``chunk{i}/<name>``) by name and every state
+    input from the previous call's matching output (zeros at first); outputs are matched
+    to the export's by position, the order TPU-MLIR keeps.
     Writes the logits of every call, one row per token, to ``verify.outputs``.
     """
     import importlib
@@ -334,47 +336,59 @@ def verify(spec: dict) -> None:
     runtime = importlib.import_module("pyruntime_bm")
     model_runner.bind_cmodel_so(chip)
     model = runtime.Model(bmodel, 0, "")
-    missing = sorted(set(plan["nets"]) - set(model.networks))
+    chains = plan["nets"]
+    wanted = [name for chain in chains.values() for name in chain]
+    missing = sorted(set(wanted) - set(model.networks))
     if missing:
         raise SystemExit(f"error: {bmodel} has no net {missing} (it has {model.networks})")
-    nets = {name: model.Net(name) for name in plan["nets"]}
+    nets = {name: model.Net(name) for name in wanted}
     state = {}
-    for net_plan in plan["nets"].values():
-        for spec_in in net_plan["inputs"]:
-            if spec_in["role"] == "state":
-                state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
+    for chain in chains.values():
+        for net_plan in chain.values():
+            for spec_in in net_plan["inputs"]:
+                if spec_in["role"] == "state":
+                    state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
     rows = []
     total = len(plan["calls"])
     for number, call in enumerate(plan["calls"], 1):
         print(f"{VERIFY_PROGRESS}{number}/{total} ({call['variant']})", flush=True)
-        net_plan = plan["nets"][call["variant"]]
-        net = nets[call["variant"]]
         with np.load(call["feeds"]) as data:
-            # One graph per net: its host-fed inputs are stored as chunk0/<input name>.
-            feeds = {key.split("/", 1)[-1]: data[key] for key in data.files}
-        feeds.update({k: v for k, v in state.items() if k not in feeds})
-        by_name = {tensor.name: tensor for tensor in net.inputs}
-        for spec_in in net_plan["inputs"]:
-            tensor = by_name[spec_in["name"]]
-            value = np.asarray(feeds[spec_in["name"]]).reshape(tensor.data.shape)
-            tensor.data.reshape(-1)[:] = lowering(
-                value,
-                pdtype=tensor.dtype,
-                pshape=value.shape,
-                pzero_point=tensor.qzero_point,
-                pscale=tensor.qscale,
-            ).flatten()
-        net.forward()
-        outputs = dict(
-            zip(
-                [o["name"] for o in net_plan["outputs"]],
-                _runtime_outputs(net, np, bf16_to_fp32),
-                strict=True,
+            # Host-fed inputs per chunk: chunk{i}/<input name>.
+            fed = {key: data[key] for key in data.files}
+        carried = {}
+        for name, net_plan in chains[call["variant"]].items():
+            net = nets[name]
+            prefix = f"chunk{net_plan['chunk']}/"
+            feeds = {k[len(prefix) :]: v for k, v in fed.items() if k.startswith(prefix)}
+            for spec_in in net_plan["inputs"]:
+                if spec_in["role"] == "hidden":
+                    feeds[spec_in["name"]] = carried[spec_in["name"][: -len("_in")] + "_out"]
+            feeds.update({k: v for k, v in state.items() if k not in feeds})
+            by_name = {tensor.name: tensor for tensor in net.inputs}
+            for spec_in in net_plan["inputs"]:
+                tensor = by_name[spec_in["name"]]
+                value = np.asarray(feeds[spec_in["name"]]).reshape(tensor.data.shape)
+                tensor.data.reshape(-1)[:] = lowering(
+                    value,
+                    pdtype=tensor.dtype,
+                    pshape=value.shape,
+                    pzero_point=tensor.qzero_point,
+                    pscale=tensor.qscale,
+                ).flatten()
+            net.forward()
+            outputs = dict(
+                zip(
+                    [o["name"] for o in net_plan["outputs"]],
+                    _runtime_outputs(net, np, bf16_to_fp32),
+                    strict=True,
+                )
             )
-        )
-        for spec_in in net_plan["inputs"]:
-            if spec_in["role"] == "state":
-                state[spec_in["name"]] = outputs[spec_in["output"]].reshape(spec_in["shape"])
+            for spec_in in net_plan["inputs"]:
+                if spec_in["role"] == "state":
+                    state[spec_in["name"]] = outputs[spec_in["output"]].reshape(spec_in["shape"])
+            carried = {
+                o["name"]: outputs[o["name"]] for o in net_plan["outputs"] if o["role"] == "hidden"
+            }
         logits = outputs[net_plan["logits"]]
         rows.append(logits.reshape(-1, logits.shape[-1]))
     np.save(plan["outputs"], np.concatenate(rows))
