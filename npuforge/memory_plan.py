@@ -186,9 +186,10 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     (``COMPILE_BYTES_PER_PARAM``; with no precision, the dearest) plus what the step's
     fp32 reference run keeps of the same chunk (``base.REFERENCE_BYTES_PER_PARAM``).
 
-    An explicit ``chunks`` wins; a ``chunk_policy`` (a device's limit on one chunk's
-    weights) sets the fewest. ``problem`` says why a plan cannot fit, or why it needs
-    more chunks than the backend builds (``MAX_CHUNKS``).
+    Chunks are even where that fits, else the chunks holding the head or the table take
+    fewer layers (``layers_per_chunk``). An explicit ``chunks`` wins (even); a
+    ``chunk_policy`` (a device's limit on one chunk's weights) caps every chunk.
+    ``problem`` says why a plan cannot fit.
     """
     export = merged_export(model, target)
     backend = backends.get(target["backend"])
@@ -219,18 +220,11 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
         return balanced_sizes(layers, limits)
 
     fix = "raise the target's memory_budget_gb or build on a host with more memory"
-    most = int(getattr(backend, "MAX_CHUNKS", layers))
     fewest = min(layers, policy_chunks(model, export))
     if "chunks" in export:
         chunks = max(1, min(int(export["chunks"]), layers))
         plan = MemoryPlan(chunks, None, need(chunks), int(budget))
         fitting = next((n for n in range(fewest, layers + 1) if sizes_for(n)), None)
-        if chunks > most:
-            problem = (
-                f"export.chunks is {chunks}, but the {target['backend']} backend builds "
-                f"exports of at most {most} chunk(s) so far; set export.chunks: {most}"
-            )
-            return dataclasses.replace(plan, problem=problem)
         if plan.need_bytes > budget:
             instead = f"leave export.chunks out (the plan takes {fitting}), " if fitting else ""
             problem = (
@@ -246,15 +240,7 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
             continue
         even = [end - start for start, end in split_layers(layers, chunks)]
         sizes = None if sizes == even else tuple(sizes)
-        plan = MemoryPlan(chunks, sizes, need(chunks, sizes), int(budget))
-        if chunks > most:
-            problem = (
-                f"{chunks} layer chunks are needed to stay within memory_budget_gb "
-                f"{budget / 1e9:g}, but the {target['backend']} backend builds exports of at "
-                f"most {most} chunk(s) so far; {fix}"
-            )
-            return dataclasses.replace(plan, problem=problem)
-        return plan
+        return MemoryPlan(chunks, sizes, need(chunks, sizes), int(budget))
     what = (
         f"one layer with the head (the heaviest one-layer chunk) needs about "
         f"{_gb(need(layers))} to compile ({per_param:g} bytes/parameter, "

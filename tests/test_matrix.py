@@ -707,12 +707,12 @@ def test_explicit_chunks_win_and_are_refused_when_they_break_the_budget():
     assert "memory_budget_gb of 13" in message and "the plan takes 2" in message
 
 
-def test_tpumlir_refuses_a_build_that_needs_more_than_one_chunk():
-    message = refusal(MID, "BM1684X", budgeted("BM1684X", 10), "f16")
-    assert "2 layer chunks are needed to stay within memory_budget_gb 10" in message
-    assert "the tpumlir backend builds exports of at most 1 chunk(s) so far" in message
-    message = refusal(dict(MID, export={"chunks": 2}), "BM1684X", budgeted("BM1684X", 16), "f16")
-    assert "export.chunks is 2" in message
+def test_tpumlir_plans_chunks_like_the_other_backends():
+    # One net per chunk (npuforge.backends.tpumlir): a budget too small for one chunk
+    # gives two, and an explicit chunks is taken.
+    plan = memory_plan(MID, budgeted("BM1684X", 10), "f16")
+    assert plan.problem is None and plan.chunks == 2 and plan.need_bytes <= 10e9
+    assert memory_plan(dict(MID, export={"chunks": 2}), budgeted("BM1684X", 16), "f16").chunks == 2
 
 
 def test_registry_builds_keep_their_chunks():
