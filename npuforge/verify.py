@@ -20,6 +20,7 @@ from pathlib import Path
 
 from npuforge import progress
 from npuforge.errors import NpuforgeError
+from npuforge.memory import release_memory
 
 TOKEN_SEED = 0
 
@@ -106,19 +107,6 @@ def logits_agreement(reference, compiled) -> dict:
         return {**figures, "top1_agreement": None}
     digits = {"cosine": 7, "cosine_mean": 7, "max_abs_rel": 7, "top1_agreement": 6}
     return {**figures, **{key: round(figures[key], n) for key, n in digits.items()}}
-
-
-def release_memory():
-    """Hand the memory of released models back to the system: glibc keeps freed blocks in
-    its heap otherwise, so the next model would sit on top of the last one's."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except AttributeError:  # not glibc: nothing to trim
-        pass
 
 
 def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:

@@ -41,6 +41,7 @@ import numpy as np
 from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
+from npuforge.memory import release_memory
 from npuforge.models.llama import WHOLE_MODEL_OPTIONS
 from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, host_inputs, load_config
 from npuforge.models.llama.model import build_model, load_chunk
@@ -493,6 +494,7 @@ def export_llama(
             external = save_onnx(proto, path, external_data)
             del proto
             shutil.rmtree(scratch)
+            release_memory()
             graph = {
                 "file": path.name,
                 "sha256": sha256_file(path),
