@@ -159,6 +159,7 @@ def make_calibration_samples(
         )
         tokens = doc_tokens[doc][start:]
         captured.append(_feeds_of_run(chain, tokens, capture_step))
+    progress.clear()
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:

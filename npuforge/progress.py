@@ -25,6 +25,13 @@ def stage(what: str, done: int | None = None, total: int | None = None) -> None:
         _state.update(what=what, since=now, done=done, total=total)
 
 
+def clear() -> None:
+    """The staged work is over: the heartbeat says nothing until the next stage (a
+    toolchain job reports its own progress)."""
+    with _lock:
+        _state.update(what=None, done=None, total=None)
+
+
 def describe(now: float | None = None) -> str | None:
     """The current stage as a log line, or None before the first stage."""
     now = time.monotonic() if now is None else now

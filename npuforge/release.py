@@ -211,6 +211,7 @@ def build_bundle(
             _copy(src, tmp / name)
         progress.stage("bundle: hashing the files")
         files = {name: sha256_file(tmp / name) for name in sorted(sources)}
+        progress.clear()
 
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -309,6 +310,7 @@ def write_deterministic_tarball(directory, tarball, arcroot: str) -> None:
                     info = _tar_info(name, tarfile.REGTYPE, 0o644, size, mtime)
                     with open(path, "rb") as handle:
                         tar.addfile(info, handle)
+    progress.clear()
 
 
 def _tar_info(name, kind, mode, size, mtime) -> tarfile.TarInfo:

@@ -222,4 +222,5 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
         report["prefill_vs_decode"] = prefill_then_decode(
             export_dirs[1], export_dirs[0], tokens, logits
         )
+    progress.clear()
     return report

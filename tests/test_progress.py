@@ -20,6 +20,9 @@ def test_the_stage_reports_its_time_and_what_is_left():
     progress.stage("bundle: hashing the files")
     assert progress.describe().startswith("progress: bundle: hashing the files (0 s")
     assert "left" not in progress.describe()
+    # Once the staged work is over, a toolchain job that follows reports for itself.
+    progress.clear()
+    assert progress.describe() is None
 
 
 def test_the_heartbeat_writes_the_stage_while_the_step_runs():

@@ -338,6 +338,7 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
             if row is not None:
                 row = np.asarray(row, dtype=np.float32)
                 logits[number] = np.moveaxis(row, 1, 0).reshape(row.shape[1], -1)
+    progress.clear()
     return np.concatenate(logits)
 
 

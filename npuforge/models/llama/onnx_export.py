@@ -505,6 +505,7 @@ def export_llama(
             if external:
                 graph["external_data"] = external
             graphs.append(graph)
+        progress.clear()
         prefix = None
         if prefix_rows:
             prefix = write_kv_prefix(tmp, prefix_rows.rows(), cfg, kv_prefix)

@@ -180,6 +180,7 @@ def export_rwkv(
                 data_name = name + ".data"
                 graph["external_data"] = {"file": data_name, "sha256": hashes[data_name]}
             graphs.append(graph)
+        progress.clear()
         meta = {
             "family": "rwkv",
             "version": cfg.version,
