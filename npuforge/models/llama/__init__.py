@@ -11,7 +11,7 @@ synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
 """
 
 from npuforge.errors import NpuforgeError
-from npuforge.models.llama.config import MASK_VALUE
+from npuforge.models.llama.config import MASK_VALUE, WHOLE_MODEL_OPTIONS  # noqa: F401
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
@@ -28,9 +28,6 @@ EXPORT_OPTIONS = (
     "rotate",
     "gptq",
 )
-# Export options that change the whole model at once: with one of them the export loads
-# the model whole, without them it reads one chunk's weights at a time.
-WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "gptq")
 
 
 def export_options(model: dict, export: dict, precision: str | None = None) -> dict:

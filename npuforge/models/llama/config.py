@@ -17,6 +17,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # next to it: with -1e4, RK3588 w16a16i_dfp verified at cosine 0.98, with -64 at 0.99999.
 MASK_VALUE = -64.0
 
+# Export options that change the whole model at once: with one of them the export loads
+# the model whole, without them it reads one chunk's weights at a time.
+WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "gptq")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:

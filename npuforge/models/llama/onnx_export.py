@@ -42,8 +42,13 @@ from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 from npuforge.memory import release_memory
-from npuforge.models.llama import WHOLE_MODEL_OPTIONS
-from npuforge.models.llama.config import MASK_VALUE, LlamaConfig, host_inputs, load_config
+from npuforge.models.llama.config import (
+    MASK_VALUE,
+    WHOLE_MODEL_OPTIONS,
+    LlamaConfig,
+    host_inputs,
+    load_config,
+)
 from npuforge.models.llama.model import build_model, load_chunk
 from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
