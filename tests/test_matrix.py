@@ -804,14 +804,19 @@ def test_an_export_reserves_its_heaviest_chunk_unless_a_lever_needs_the_whole_mo
     assert whole == math.ceil(estimate_params(model) * 16 / 1e6)
     one = export_mem_mb(model, {"chunks": 1, "ext_embedding": True})
     six = export_mem_mb(model, {"chunks": 6, "ext_embedding": True})
-    # Six chunks: the last holds the 233M-parameter head and 4 of the 28 layers.
-    assert six < one / 2 and six < whole / 3
+    # Six chunks: the last, the heaviest, holds the 233M-parameter head and 4 of the 28
+    # layers; the reservation follows it.
+    from npuforge.memory_plan import EXPORT_CHUNK_BYTES_PER_PARAM, chunk_params, parameter_counts
+
+    heaviest = max(chunk_params(parameter_counts(model), 28, 6, True))
+    assert heaviest < estimate_params(model) / 3
+    assert six == math.ceil(heaviest * EXPORT_CHUNK_BYTES_PER_PARAM / 1e6) and six < one / 2
     assert export_mem_mb(model, {"chunks": 6, "rotate": {"seed": 0}}) == whole
     # RWKV's exporter reads the checkpoint whole.
     assert export_mem_mb(MODELS["rwkv7-1.5b-shape"], {"chunks": 6}) == whole_model_mem_mb(
         MODELS["rwkv7-1.5b-shape"]
     )
-    assert whole_model_mem_mb(model) > verify_mem_mb(model) > six
+    assert whole_model_mem_mb(model) > verify_mem_mb(model)
 
 
 @pytest.mark.parametrize("layers", [1, 5, 24, 28])
