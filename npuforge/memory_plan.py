@@ -101,7 +101,8 @@ def whole_model_mem_mb(model: dict) -> int:
 
 def export_mem_mb(model: dict, options: dict) -> int:
     """What an export job reserves: a chunk's worth where the family's exporter reads one
-    chunk at a time and no option changes the whole model, else the whole model's."""
+    chunk at a time (it names its WHOLE_MODEL_OPTIONS) and no such option is set, else the
+    whole model's."""
     whole_model_options = getattr(models.family(model["family"]), "WHOLE_MODEL_OPTIONS", None)
     if whole_model_options is None or any(options.get(name) for name in whole_model_options):
         return whole_model_mem_mb(model)

@@ -812,10 +812,9 @@ def test_an_export_reserves_its_heaviest_chunk_unless_a_lever_needs_the_whole_mo
     assert heaviest < estimate_params(model) / 3
     assert six == math.ceil(heaviest * EXPORT_CHUNK_BYTES_PER_PARAM / 1e6) and six < one / 2
     assert export_mem_mb(model, {"chunks": 6, "rotate": {"seed": 0}}) == whole
-    # RWKV's exporter reads the checkpoint whole.
-    assert export_mem_mb(MODELS["rwkv7-1.5b-shape"], {"chunks": 6}) == whole_model_mem_mb(
-        MODELS["rwkv7-1.5b-shape"]
-    )
+    # RWKV's exporter reads the checkpoint chunk by chunk too.
+    rwkv = MODELS["rwkv7-1.5b-shape"]
+    assert export_mem_mb(rwkv, {"chunks": 6}) < whole_model_mem_mb(rwkv) / 2
     assert whole_model_mem_mb(model) > verify_mem_mb(model)
 
 

@@ -20,6 +20,9 @@ NAME = "rwkv"
 # Export options this family takes (besides variant, tokens, dtype, chunks, batch,
 # ext_embedding and external_data, which every family takes).
 EXPORT_OPTIONS = ("fp16_fixes", "rescale_every", "wkv_scale", "last_token_logits")
+# None of them changes the whole model: the exporter reads the checkpoint chunk by chunk
+# (RWKV-7 1.5B in 4 chunks: 1.5 GB).
+WHOLE_MODEL_OPTIONS = ()
 
 
 def export_options(model: dict, export: dict, precision: str | None = None) -> dict:
