@@ -32,6 +32,7 @@ that fails still reports what its finished steps measured.
 
 import argparse
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,10 @@ def parameters(model: str) -> int:
     return estimate_params(load_yaml(REPO / "config" / "models.yaml")[model])
 
 
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", text).strip("-")
+
+
 def bench_rows(measured, args) -> list[dict]:
     from npuforge import measurements
     from npuforge.release import git_provenance
@@ -225,11 +230,14 @@ def bench_rows(measured, args) -> list[dict]:
     rows = []
     for model, params, found in measured:
         for stage, figures in found.items():
+            # A step that names no target (fetch, export, verify...) was run for this
+            # build's targets: a build for other targets records its own row.
+            scope = "" if "/" in stage else f" (for {args.targets})"
             rows.append(
                 {
-                    "id": f"scale-{model}-{stage.replace(' ', '-').replace('/', '-')}",
+                    "id": f"scale-{model}-{slug(stage + scope)}",
                     "family": "scale",
-                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {stage}",
+                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {stage}{scope}",
                     "figures": {
                         "wall s": round(figures["seconds"], 1),
                         "step MB": figures["step_rss_mb"],
@@ -244,10 +252,9 @@ def bench_rows(measured, args) -> list[dict]:
             )
     for (small, p1, s1), (large, p2, s2) in zip(measured, measured[1:], strict=False):
         for stage in (s for s in s1 if s in s2):
-            slug = stage.replace(" ", "-").replace("/", "-")
             rows.append(
                 {
-                    "id": f"scale-growth-{small}-{large}-{slug}",
+                    "id": f"scale-growth-{small}-{large}-{slug(stage)}",
                     "family": "scale_growth",
                     "setting": f"{stage}: {small} -> {large}",
                     "figures": {
