@@ -383,12 +383,33 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
     assert sorted(p.name for p in first.iterdir()) == ["chunk0.rknn", "chunk1.rknn", "compile.json"]
 
     assert record["options"]["site_packages"] in ("hard-linked", "symlinked")
+    assert not (tmp_path / ".a.finished-chunks").exists()  # the store goes when it lands
 
     # The toolkit copies stale pointers into the file: the environment's size and the
     # output path moved them (9 and 8 bytes differed) before the job staged itself.
     monkeypatch.setenv("NPUFORGE_UNRELATED", "x" * 3000)
+    # This build is killed in its second chunk, then run again: only that chunk is built
+    # again, and the bytes are those of the one-go build.
+    from npuforge import toolchain as toolchains
+
+    real_run_job, ran = toolchains.run_job, []
+
+    def run_job(stamp, script, spec_path, **kwargs):
+        chunk = json.loads(Path(spec_path).read_text())["chunk"]
+        if chunk == 1 and "killed" not in ran:
+            ran.append("killed")
+            raise NpuforgeError("rknn job failed in the native toolchain: killed (signal 9)")
+        ran.append(chunk)
+        return real_run_job(stamp, script, spec_path, **kwargs)
+
+    monkeypatch.setattr(toolchains, "run_job", run_job)
+    with pytest.raises(NpuforgeError, match="signal 9"):
+        compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
+    assert not second.exists() and ran == [0, "killed"]
     compile_rknn([export_dir], None, "RK3588", RK3588, "fp16", toolchain, second)
+    assert ran == [0, "killed", 1]
     assert _digests(first) == _digests(second)
+    assert not (tmp_path / ".b-at-a-longer-path.finished-chunks").exists()
 
 
 @pytest.mark.toolchain

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from npuforge import backends
 from npuforge.backends import base
+from npuforge.backends.finished_chunks import FinishedChunks, job_identity, say
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
 
@@ -291,6 +292,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     reference = base.reference_logits(exports, schedule, text["ids"], capture)
 
     out_dir = request.out_dir.resolve()
+    finished = FinishedChunks(out_dir, job_identity(JOB_SCRIPT, stamp))
     with atomic_path(out_dir) as staging:
         staging.mkdir(parents=True)
         work = staging / "work"
@@ -341,20 +343,15 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             spec = build_spec(graph, index, paths, options, precision, dataset, steps)
             spec_path = chunk_work / "spec.json"
             write_json(spec_path, spec)
-            read_only = [export.dir]
-            try:
-                base.run_job(
-                    request,
-                    JOB_SCRIPT,
-                    spec_path,
-                    read_only=read_only,
-                    writable=[staging],
-                    env={"MALLOC_PERTURB_": "85", "OMP_NUM_THREADS": "1"},
-                )
-            finally:
-                if request.log_path and paths["build_log"].is_file():
-                    with open(request.log_path, "a", encoding="utf-8") as log:
-                        log.write(paths["build_log"].read_text(errors="replace"))
+            env = {"MALLOC_PERTURB_": "85", "OMP_NUM_THREADS": "1"}
+            outputs = [paths[k] for k in ("rknn", "build_log", "result", "hybrid_dir")]
+            outputs += save.values()
+            key = finished.key(spec_path, staging, env)
+            if finished.restore(key, outputs, staging):
+                say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
+            else:
+                run_chunk_job(request, spec_path, [export.dir], staging, env, paths, chunks, index)
+                finished.keep(key, outputs, staging)
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
             if result.get("hybrid"):
@@ -426,4 +423,21 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             verification,
             gate_hint(options),
         )
+    finished.clear()
     return record
+
+
+def run_chunk_job(request, spec_path, read_only, staging, env, paths, chunks, index) -> None:
+    """One chunk's toolkit job; its build log joins the step's log either way."""
+    try:
+        base.run_job(
+            request, JOB_SCRIPT, spec_path, read_only=read_only, writable=[staging], env=env
+        )
+    except BaseException:
+        if index:
+            say(f"chunks 0-{index - 1} of {chunks} are kept: a rerun of this compile reuses them")
+        raise
+    finally:
+        if request.log_path and paths["build_log"].is_file():
+            with open(request.log_path, "a", encoding="utf-8") as log:
+                log.write(paths["build_log"].read_text(errors="replace"))
