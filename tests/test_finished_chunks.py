@@ -20,16 +20,16 @@ def test_a_rerun_at_another_staging_path_finds_the_chunk_and_its_bytes(tmp_path)
     out = tmp_path / "fp16"
     store = FinishedChunks(out, {"toolchain": "a"})
     first, second = tmp_path / ".fp16.1.tmp", tmp_path / ".fp16.2.tmp"
-    key = store.key(chunk_job(first), first)
+    key = store.key(chunk_job(first), {"staging": first})
     outputs = [first / "c.bin", first / "work" / "chunk0" / "result.json", first / "absent"]
     outputs[0].write_bytes(b"binary")
     outputs[1].write_text("{}")
-    assert not store.restore(key, outputs, first)
-    store.keep(key, outputs, first)
+    assert not store.restore(key, {"staging": first})
+    store.keep(key, outputs, {"staging": first})
     assert store.count() == 1 and store.dir == tmp_path / ".fp16.finished-chunks"
 
-    assert store.key(chunk_job(second), second) == key
-    assert store.restore(key, [second / "c.bin", second / "work/chunk0/result.json"], second)
+    assert store.key(chunk_job(second), {"staging": second}) == key
+    assert store.restore(key, {"staging": second})
     assert (second / "c.bin").read_bytes() == b"binary"
     assert (second / "work" / "chunk0" / "result.json").read_text() == "{}"
     store.clear()
@@ -39,8 +39,18 @@ def test_a_rerun_at_another_staging_path_finds_the_chunk_and_its_bytes(tmp_path)
 def test_anything_the_job_reads_changes_the_key(tmp_path):
     out = tmp_path / "fp16"
     base = FinishedChunks(out, {"toolchain": "a"})
-    keys = {base.key(chunk_job(tmp_path / "a"), tmp_path / "a")}
-    keys.add(base.key(chunk_job(tmp_path / "b", feed=b"other"), tmp_path / "b"))
-    keys.add(FinishedChunks(out, {"toolchain": "b"}).key(chunk_job(tmp_path / "c"), tmp_path / "c"))
-    keys.add(base.key(chunk_job(tmp_path / "d"), tmp_path / "d", env={"OMP_NUM_THREADS": "2"}))
-    assert len(keys) == 4
+
+    def key(store, name, **kwargs):
+        staging = tmp_path / name
+        feed = kwargs.pop("feed", b"feed")
+        return store.key(chunk_job(staging, feed), {"staging": staging}, **kwargs)
+
+    source = tmp_path / "model.onnx.data"
+    source.write_bytes(b"weights")
+    keys = {key(base, "a"), key(base, "b", feed=b"other")}
+    keys.add(key(FinishedChunks(out, {"toolchain": "b"}), "c"))
+    keys.add(key(base, "d", env={"OMP_NUM_THREADS": "2"}))
+    keys.add(key(base, "e", inputs=[source]))
+    source.write_bytes(b"other weights")
+    keys.add(key(base, "f", inputs=[source]))
+    assert len(keys) == 6

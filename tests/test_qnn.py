@@ -601,7 +601,7 @@ def test_fp16_context_binaries_verified_on_the_simulator(sm8650_fp16):
 
 
 @pytest.mark.toolchain
-def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
+def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace, monkeypatch):
     # QAIRT 2.51 writes uninitialised heap bytes into padding of fp16 constants:
     # only the job's pinned heap (MALLOC_PERTURB_, no tcache, a fixed mmap
     # threshold, no ASLR, fixed PYTHONHASHSEED) and prepare-only generation make
@@ -617,12 +617,32 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace):
     before = {a["file"]: (first / a["file"]).read_bytes() for a in manifest["artifacts"]}
     # Rebuilt as on a machine with one CPU: QAIRT's prepare threads sized by the CPUs
     # allowed wrote other bytes (2 vs 1 CPU) until the job pinned itself to one.
+    # The rebuild is killed in its second chunk and run again: only that chunk's job
+    # and the simulator's run again; the bytes are those of the one-go build.
+    from npuforge import toolchain as toolchains
+
+    real_run_job, ran = toolchains.run_job, []
+
+    def run_job(stamp, script, spec_path, **kwargs):
+        spec = json.loads(Path(spec_path).read_text())
+        job = [c["index"] for c in spec["chunks"]] or "simulator"
+        if job == [1] and "killed" not in ran:
+            ran.append("killed")
+            raise NpuforgeError("qnn job failed in the native toolchain: killed (signal 9)")
+        ran.append(job)
+        return real_run_job(stamp, script, spec_path, **kwargs)
+
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})
+    monkeypatch.setattr(toolchains, "run_job", run_job)
     try:
+        with pytest.raises(NpuforgeError, match="signal 9"):
+            _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
         again, rebuilt = _compile(workspace, qnn_stamp, "SM8650-fp16", SM8650, "fp16")
     finally:
         os.sched_setaffinity(0, allowed)
+    assert ran == [[0], "killed", [1], "simulator"]
+    assert not list(first.parent.glob(".SM8650-fp16.finished-chunks"))
     assert again == first
     for name, data in before.items():
         assert (again / name).read_bytes() == data, name

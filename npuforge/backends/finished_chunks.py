@@ -27,42 +27,46 @@ class FinishedChunks:
         self.dir = out_dir.parent / f".{out_dir.name}.finished-chunks"
         self._identity = json.dumps(identity, sort_keys=True, default=str)
 
-    def key(self, spec_path, staging, env: dict | None = None) -> str:
-        """What the job in ``spec_path``'s directory would read, hashed."""
-        spec_path, staging = Path(spec_path), Path(staging)
+    def key(self, spec_path, roots: dict, env: dict | None = None, inputs=()) -> str:
+        """What the job of ``spec_path`` would read, hashed: the files beside its spec,
+        ``inputs`` (files elsewhere), the spec with each of ``roots`` ({name: directory
+        that moves between runs}) named instead of its path, the environment."""
+        spec_path = Path(spec_path)
+        spec = spec_path.read_text(encoding="utf-8")
+        for name, root in roots.items():
+            spec = spec.replace(str(root), f"<{name}>")
         digest = hashlib.sha256()
-        for part in (
-            self._identity,
-            json.dumps(env or {}, sort_keys=True),
-            spec_path.read_text(encoding="utf-8").replace(str(staging), "<staging>"),
-        ):
+        for part in (self._identity, json.dumps(env or {}, sort_keys=True), spec):
             digest.update(part.encode() + b"\0")
         work = spec_path.parent
         for path in sorted(p for p in work.rglob("*") if p.is_file() and p != spec_path):
             digest.update(f"{path.relative_to(work)}\0{sha256_file(path)}\0".encode())
+        for path in inputs:
+            digest.update(f"{Path(path).name}\0{sha256_file(path)}\0".encode())
         return digest.hexdigest()[:32]
 
-    def restore(self, key: str, outputs, staging) -> bool:
-        """Put a kept job's outputs back under ``staging``; False when none is kept."""
+    def restore(self, key: str, roots: dict) -> bool:
+        """Put a kept job's outputs back under ``roots``; False when none is kept."""
         entry = self.dir / key
         if not entry.is_dir():
             return False
-        for output in outputs:
-            relative = Path(output).relative_to(staging)
-            if (entry / relative).exists():
-                _link_or_copy(entry / relative, Path(output))
+        for name, root in roots.items():
+            if (entry / name).is_dir():
+                _link_or_copy(entry / name, Path(root))
         return True
 
-    def keep(self, key: str, outputs, staging) -> None:
-        """Keep a finished job's outputs (those it wrote) under ``key``, whole or not at all."""
+    def keep(self, key: str, outputs, roots: dict) -> None:
+        """Keep a finished job's ``outputs`` (those it wrote, each under one of ``roots``)
+        under ``key``, whole or not at all."""
         self.dir.mkdir(parents=True, exist_ok=True)
         partial = self.dir / f".{key}.{os.getpid()}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        for output in outputs:
-            output = Path(output)
-            if output.exists():
-                _link_or_copy(output, partial / output.relative_to(staging))
-        partial.mkdir(exist_ok=True)
+        partial.mkdir()
+        for output in map(Path, outputs):
+            if not output.exists():
+                continue
+            name, root = next((n, r) for n, r in roots.items() if output.is_relative_to(r))
+            _link_or_copy(output, partial / name / output.relative_to(root))
         shutil.rmtree(self.dir / key, ignore_errors=True)
         os.replace(partial, self.dir / key)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuforge.backends import base, qnn_record
+from npuforge.backends.finished_chunks import FinishedChunks, job_identity, say
 from npuforge.backends.qnn_spec import QUANTIZED, RANGE_MARGIN, build_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
@@ -251,18 +252,19 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             calls = base.write_call_feeds(exports, schedule, ids, work_dir)
             reference = base.reference_logits(exports, schedule, ids)
             spec = build_spec(exports, calibrations, options, precision, staging, work_dir, calls)
-            spec_path = work_dir / "spec.json"
-            write_json(spec_path, spec)
             read_only = [e.dir for e in exports.values()]
             read_only += [Path(d).resolve() for d in calibrations.values()]
-            base.run_job(
-                request,
-                JOB_SCRIPT,
-                spec_path,
-                read_only=read_only,
-                writable=[staging.resolve(), work_dir],
-            )
-            result = read_json(work_dir / "result.json")
+            jobs = ChunkJobs(request, spec, read_only, staging.resolve(), work_dir, stamp)
+            compiled = jobs.compile_every_chunk()
+            if spec.get("verify"):
+                compiled_path = work_dir / "compiled.json"
+                write_json(compiled_path, compiled)
+                spec_path = work_dir / "spec.json"
+                write_json(spec_path, {**spec, "chunks": [], "compiled": str(compiled_path)})
+                jobs.run(spec_path)
+                result = read_json(work_dir / "result.json")
+            else:
+                result = compiled
             record = _record(
                 request, exports, stamp, spec, result, staging, (schedule, text, reference)
             )
@@ -278,7 +280,79 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             base.check_gate(target, precision, record["verification"], fix)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+    jobs.finished.clear()
     return record
+
+
+class ChunkJobs:
+    """One toolchain job per chunk (kept when it finishes, so a rerun of a compile that
+    stopped builds only the chunks it had not finished), then one for the simulator."""
+
+    def __init__(self, request, spec, read_only, staging, work_dir, stamp):
+        self.request, self.spec, self.read_only = request, spec, read_only
+        self.roots = {"staging": Path(staging).resolve(), "work": Path(work_dir).resolve()}
+        self.finished = FinishedChunks(request.out_dir.resolve(), job_identity(JOB_SCRIPT, stamp))
+
+    def run(self, spec_path) -> None:
+        writable = list(self.roots.values())
+        base.run_job(
+            self.request, JOB_SCRIPT, spec_path, read_only=self.read_only, writable=writable
+        )
+
+    def compile_every_chunk(self) -> dict:
+        """The chunks' results merged as one job's (its simulator twins by absolute path)."""
+        merged = None
+        for chunk in self.spec["chunks"]:
+            result = self.compile_chunk(chunk)
+            merged = merged or {**result, "chunks": []}
+            merged["chunks"] += result["chunks"]
+        return merged
+
+    def compile_chunk(self, chunk) -> dict:
+        index = chunk["index"]
+        chunk_dir = self.roots["work"] / f"chunk{index}"
+        chunk_dir.mkdir()
+        spec = {k: v for k, v in self.spec.items() if k != "verify"}
+        spec_path = chunk_dir / "spec.json"
+        write_json(spec_path, {**spec, "chunks": [chunk], "work_dir": str(chunk_dir)})
+        key = self.finished.key(spec_path, self.roots, inputs=chunk_inputs(chunk))
+        if self.finished.restore(key, self.roots):
+            say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
+        else:
+            try:
+                self.run(spec_path)
+            except BaseException:
+                if index:
+                    say(f"chunks 0-{index - 1} are kept: a rerun of this compile reuses them")
+                raise
+            produced = produced_files(chunk, read_json(chunk_dir / "result.json"))
+            outputs = [chunk_dir / "result.json", chunk_dir / "simulate"]
+            outputs += [self.roots["staging"] / name for name in produced]
+            self.finished.keep(key, outputs, self.roots)
+        result = read_json(chunk_dir / "result.json")
+        for entry in result["chunks"]:
+            for variant, twin in entry.get("simulate_ctx", {}).items():
+                entry["simulate_ctx"][variant] = str(chunk_dir / twin)
+        return result
+
+
+def chunk_inputs(chunk) -> list[Path]:
+    """The files a chunk's job reads besides its spec: graphs, their weights, samples."""
+    files = []
+    for graph in chunk["graphs"]:
+        model = Path(graph["model"])
+        weights = model.with_name(model.name + ".data")
+        files += [model, weights] if weights.is_file() else [model]
+        files += [Path(p) for sample in graph.get("calibration", []) for p in sample.values()]
+    return files
+
+
+def produced_files(chunk, result) -> list[str]:
+    """The files a chunk job wrote into the output: its contexts and their binaries."""
+    names = {graph["ctx_file"] for graph in chunk["graphs"]}
+    for entry in result["chunks"]:
+        names.update(entry["binaries"])
+    return sorted(names)
 
 
 def _verification(request, checked, result, stamp) -> dict:

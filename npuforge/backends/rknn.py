@@ -346,12 +346,13 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             env = {"MALLOC_PERTURB_": "85", "OMP_NUM_THREADS": "1"}
             outputs = [paths[k] for k in ("rknn", "build_log", "result", "hybrid_dir")]
             outputs += save.values()
-            key = finished.key(spec_path, staging, env)
-            if finished.restore(key, outputs, staging):
+            roots = {"staging": staging}
+            key = finished.key(spec_path, roots, env)
+            if finished.restore(key, roots):
                 say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
             else:
                 run_chunk_job(request, spec_path, [export.dir], staging, env, paths, chunks, index)
-                finished.keep(key, outputs, staging)
+                finished.keep(key, outputs, roots)
             result = read_json(paths["result"])
             placements.append({"chunk": index, **result["placement"]})
             if result.get("hybrid"):

@@ -212,7 +212,8 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
             for produced in Path(stage, twin).parent.iterdir():
                 (work_dir / "simulate").mkdir(exist_ok=True)
                 shutil.copyfile(produced, work_dir / "simulate" / produced.name)
-            result["simulate_ctx"][variant] = str(work_dir / "simulate" / Path(twin).name)
+            # Relative: the caller may keep this chunk's files and reuse them elsewhere.
+            result["simulate_ctx"][variant] = f"simulate/{Path(twin).name}"
         result["site_packages"] = job_stage.site_packages_mode(stage)
         return result
     finally:
@@ -298,7 +299,10 @@ def main(argv=None) -> int:
         out = Path(spec["work_dir"]) / f"chunk{chunk['index']}_{kind}.json"
         out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         return 0
-    result = compile_chunks(spec, argv[0])
+    if spec.get("compiled"):  # the chunks were compiled by jobs of their own
+        result = json.loads(Path(spec["compiled"]).read_text())
+    else:
+        result = compile_chunks(spec, argv[0])
     if spec.get("verify"):
         result["verification"] = verify(spec, result)
     result_path = Path(spec["work_dir"]) / "result.json"
