@@ -1,8 +1,8 @@
-"""The store of finished chunk jobs a compile reruns from (npuforge.backends.finished_chunks)."""
+"""The store of finished chunk jobs a compile reruns from (npuforge.jobs.finished_chunks)."""
 
 import json
 
-from npuforge.backends.finished_chunks import FinishedChunks
+from npuforge.jobs.finished_chunks import FinishedChunks, files_in, store_beside
 
 
 def chunk_job(staging, feed=b"feed"):
@@ -16,20 +16,26 @@ def chunk_job(staging, feed=b"feed"):
     return spec
 
 
-def test_a_rerun_at_another_staging_path_finds_the_chunk_and_its_bytes(tmp_path):
-    out = tmp_path / "fp16"
-    store = FinishedChunks(out, {"toolchain": "a"})
+def key(store, staging, feed=b"feed", **kwargs):
+    spec = chunk_job(staging, feed)
+    beside = files_in(spec.parent, but=[spec])
+    inputs = beside + list(kwargs.pop("inputs", []))
+    return store.key(spec.read_text(), {"staging": staging}, inputs=inputs, **kwargs)
+
+
+def test_a_rerun_at_another_staging_path_finds_the_chunk_its_bytes_and_record(tmp_path):
+    store = FinishedChunks(store_beside(tmp_path / "fp16"), {"toolchain": "a"})
     first, second = tmp_path / ".fp16.1.tmp", tmp_path / ".fp16.2.tmp"
-    key = store.key(chunk_job(first), {"staging": first})
+    found = key(store, first)
     outputs = [first / "c.bin", first / "work" / "chunk0" / "result.json", first / "absent"]
     outputs[0].write_bytes(b"binary")
     outputs[1].write_text("{}")
-    assert not store.restore(key, {"staging": first})
-    store.keep(key, outputs, {"staging": first})
+    assert store.restore(found, {"staging": first}) is None
+    store.keep(found, outputs, {"staging": first}, record={"seconds": 1.5})
     assert store.count() == 1 and store.dir == tmp_path / ".fp16.finished-chunks"
 
-    assert store.key(chunk_job(second), {"staging": second}) == key
-    assert store.restore(key, {"staging": second})
+    assert key(store, second) == found
+    assert store.restore(found, {"staging": second}) == {"seconds": 1.5}
     assert (second / "c.bin").read_bytes() == b"binary"
     assert (second / "work" / "chunk0" / "result.json").read_text() == "{}"
     store.clear()
@@ -37,20 +43,15 @@ def test_a_rerun_at_another_staging_path_finds_the_chunk_and_its_bytes(tmp_path)
 
 
 def test_anything_the_job_reads_changes_the_key(tmp_path):
-    out = tmp_path / "fp16"
-    base = FinishedChunks(out, {"toolchain": "a"})
-
-    def key(store, name, **kwargs):
-        staging = tmp_path / name
-        feed = kwargs.pop("feed", b"feed")
-        return store.key(chunk_job(staging, feed), {"staging": staging}, **kwargs)
-
-    source = tmp_path / "model.onnx.data"
-    source.write_bytes(b"weights")
-    keys = {key(base, "a"), key(base, "b", feed=b"other")}
-    keys.add(key(FinishedChunks(out, {"toolchain": "b"}), "c"))
-    keys.add(key(base, "d", env={"OMP_NUM_THREADS": "2"}))
-    keys.add(key(base, "e", inputs=[source]))
-    source.write_bytes(b"other weights")
-    keys.add(key(base, "f", inputs=[source]))
+    store = FinishedChunks(store_beside(tmp_path / "fp16"), {"toolchain": "a"})
+    weights = tmp_path / "model.onnx.data"
+    weights.write_bytes(b"weights")
+    keys = {key(store, tmp_path / "a"), key(store, tmp_path / "b", feed=b"other")}
+    keys.add(
+        key(FinishedChunks(store_beside(tmp_path / "fp16"), {"toolchain": "b"}), tmp_path / "c")
+    )
+    keys.add(key(store, tmp_path / "d", env={"OMP_NUM_THREADS": "2"}))
+    keys.add(key(store, tmp_path / "e", inputs=[weights]))
+    weights.write_bytes(b"other weights")
+    keys.add(key(store, tmp_path / "f", inputs=[weights]))
     assert len(keys) == 6

@@ -393,6 +393,32 @@ def test_a_chunked_export_is_one_net_per_chunk_handing_its_hidden_state_on(
         assert "tokens" in data.files and "hidden_in" not in data.files
 
 
+def test_each_net_is_keyed_by_what_its_chain_reads_wherever_it_is_staged(chunked_exports, tmp_path):
+    """The keys a rerun finds its finished nets by: the same for a build staged
+    elsewhere, another for the net whose input changed, and only for it."""
+    from npuforge.jobs.finished_chunks import FinishedChunks
+
+    dirs = [chunked_exports / "decode", chunked_exports / "prefill"]
+    store = FinishedChunks(tmp_path / "store", {"toolchain": "stamp"})
+
+    def keys(staging, change=None):
+        spec = _spec(dirs, "bm1688", "f16", staging, work=staging / "work")
+        if change:
+            step = next(s for s in spec["steps"] if s["name"] == f"{change}:model_transform")
+            test_input = step["argv"][step["argv"].index("--test_input") + 1]
+            with np.load(test_input) as data:
+                arrays = {name: data[name] * 2 for name in data.files}
+            np.savez(test_input, **arrays)
+        return tpumlir.finished_nets(spec, store, staging)["keys"]
+
+    first = keys(tmp_path / "a")
+    assert sorted(first) == ["decode_0", "decode_1", "prefill_0", "prefill_1"]
+    assert len(set(first.values())) == 4
+    assert keys(tmp_path / "b-elsewhere") == first
+    changed = keys(tmp_path / "c", change="decode_1")
+    assert {net for net in first if changed[net] != first[net]} == {"decode_1"}
+
+
 def test_test_input_run_fits_the_kv_cache():
     """Two prefill calls when the cache holds them and a decode token after, else one."""
     from types import SimpleNamespace
@@ -1417,9 +1443,44 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
     info = _tool_run(python, ["model_tool", "--info", combined], tmp_path)
     assert "net 0: [decode]" in info.stdout and "net 1: [prefill]" in info.stdout
 
+    # A compile stopped in its second net builds only that net again: the first net's
+    # chain is kept under its key (the host's; made up here) and taken back, and the
+    # combined bmodel is the one-go build's, byte for byte.
+    def run_job(spec):
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        return subprocess.run(
+            [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    from npuforge.backends.bmodel import pin_build_time  # as compile() does: it holds a clock
+
+    pin_build_time(combined)
+    one_go = combined.read_bytes()
+    store = tmp_path / "finished"
+    keys = {"decode": "decode-key", "prefill": "prefill-key"}
+    store.mkdir()
+    for built in [*bmodels, combined]:
+        built.unlink()
+    _, failing = deploy_step("prefill", "BF16", "0.999999999,0.999999999")
+    stopped = {**spec, "steps": [steps[0], failing, steps[2]]}
+    stopped["finished"] = {"dir": str(store), "root": str(tmp_path), "keys": keys}
+    assert run_job(stopped).returncode != 0
+    assert sorted(p.name for p in store.iterdir()) == ["decode-key"]
+    bmodels[0].unlink()
+    ran = run_job({**spec, "finished": stopped["finished"]})
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "TPU-MLIR net decode: built by an earlier run" in ran.stdout
+    assert "decode:model_deploy" not in ran.stdout and "prefill:model_deploy" in ran.stdout
+    pin_build_time(combined)
+    assert combined.read_bytes() == one_go
+
     # The similarity check gates the build: BF16 cannot reach a cosine of 1 - 1e-9.
     _, strict = deploy_step("decode", "BF16", "0.999999999,0.999999999")
     spec["steps"], spec["result"] = [strict], str(tmp_path / "strict.json")
+    spec.pop("finished", None)
     (tmp_path / "strict_spec.json").write_text(json.dumps(spec))
     ran = subprocess.run(
         [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "strict_spec.json")],

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuforge.backends import base, qnn_record
-from npuforge.backends.finished_chunks import FinishedChunks, job_identity, say
 from npuforge.backends.qnn_spec import QUANTIZED, RANGE_MARGIN, build_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
+from npuforge.jobs.finished_chunks import FinishedChunks, job_identity, say, store_beside
 
 NAME = "qnn"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "qnn_job.py"
@@ -291,7 +291,8 @@ class ChunkJobs:
     def __init__(self, request, spec, read_only, staging, work_dir, stamp):
         self.request, self.spec, self.read_only = request, spec, read_only
         self.roots = {"staging": Path(staging).resolve(), "work": Path(work_dir).resolve()}
-        self.finished = FinishedChunks(request.out_dir.resolve(), job_identity(JOB_SCRIPT, stamp))
+        identity = job_identity(JOB_SCRIPT, stamp)
+        self.finished = FinishedChunks(store_beside(request.out_dir.resolve()), identity)
 
     def run(self, spec_path) -> None:
         writable = list(self.roots.values())
@@ -315,8 +316,9 @@ class ChunkJobs:
         spec = {k: v for k, v in self.spec.items() if k != "verify"}
         spec_path = chunk_dir / "spec.json"
         write_json(spec_path, {**spec, "chunks": [chunk], "work_dir": str(chunk_dir)})
-        key = self.finished.key(spec_path, self.roots, inputs=chunk_inputs(chunk))
-        if self.finished.restore(key, self.roots):
+        description = spec_path.read_text(encoding="utf-8")
+        key = self.finished.key(description, self.roots, inputs=chunk_inputs(chunk))
+        if self.finished.restore(key, self.roots) is not None:
             say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
         else:
             try:

@@ -29,9 +29,15 @@ from pathlib import Path
 
 from npuforge import backends
 from npuforge.backends import base
-from npuforge.backends.finished_chunks import FinishedChunks, job_identity, say
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
+from npuforge.jobs.finished_chunks import (
+    FinishedChunks,
+    files_in,
+    job_identity,
+    say,
+    store_beside,
+)
 
 NAME = "rknn"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "rknn_job.py"
@@ -292,7 +298,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     reference = base.reference_logits(exports, schedule, text["ids"], capture)
 
     out_dir = request.out_dir.resolve()
-    finished = FinishedChunks(out_dir, job_identity(JOB_SCRIPT, stamp))
+    finished = FinishedChunks(store_beside(out_dir), job_identity(JOB_SCRIPT, stamp))
     with atomic_path(out_dir) as staging:
         staging.mkdir(parents=True)
         work = staging / "work"
@@ -347,8 +353,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             outputs = [paths[k] for k in ("rknn", "build_log", "result", "hybrid_dir")]
             outputs += save.values()
             roots = {"staging": staging}
-            key = finished.key(spec_path, roots, env)
-            if finished.restore(key, roots):
+            description = spec_path.read_text(encoding="utf-8")
+            key = finished.key(description, roots, env, files_in(chunk_work, but=[spec_path]))
+            if finished.restore(key, roots) is not None:
                 say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
             else:
                 run_chunk_job(request, spec_path, [export.dir], staging, env, paths, chunks, index)

@@ -19,6 +19,7 @@ the functions that need them.
 """
 
 import dataclasses
+import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -48,9 +49,12 @@ from npuforge.backends.tpumlir_inputs import (
     weight_matmuls_named,
 )
 from npuforge.errors import NpuforgeError
+from npuforge.jobs.finished_chunks import FinishedChunks, files_in, job_identity, store_beside
 
 NAME = "tpumlir"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
+# A calibrated net's list of sample files (run_calibration's --data_list), in its directory.
+DATA_LIST = "calibration_list.txt"
 # Node names of a group-offsets export's side matmuls contain this (the attribute of
 # npuforge.models.llama.group_offsets.GroupOffsetLinear; that module imports torch).
 GROUP_OFFSETS_NODE = "group_offsets"
@@ -317,7 +321,7 @@ def _net_steps(build: dict, export, chunk: int, net: str, work_dir: Path, test_f
                 f"{[s['name'] for s in inputs]}): pass --calibration with samples made by "
                 f"make_calibration_samples.py --export {export.dir}"
             )
-        data_list = gdir / "calibration_list.txt"
+        data_list = gdir / DATA_LIST
         data_list.write_text("".join(f"{s}\n" for s in samples), encoding="utf-8")
         table = gdir / f"{net}_cali_table"
         steps.append(
@@ -561,48 +565,77 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         positions, exports["decode"], request.heldout, list(request.calibrations)
     )
     reference = base.reference_logits(exports, schedule, text["ids"])
-    with atomic_path(request.out_dir) as tmp:
-        tmp.mkdir()
-        work = tmp / "work"
-        (work / "verify").mkdir(parents=True)
-        calls = base.write_call_feeds(exports, schedule, text["ids"], work / "verify")
-        spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), calls)
-        spec_path = work / "spec.json"
-        write_json(spec_path, spec)
-        read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
-        read_only += [str(d.resolve()) for d in request.calibrations]
-        log = tmp / "logs" / "toolchain.log"
-        job = dataclasses.replace(request, log_path=log)
-        try:
-            base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only, writable=[str(tmp)])
-        except NpuforgeError as failed:
-            # The temporary directory goes away with the failure: keep the tools' output.
-            _echo_logs(log, work / "logs", str(failed))
-            raise
-        result = read_json(spec["result"])
-        pinned = pin_build_time(spec["bmodel"])
-        for state in spec["state_files"]:
-            shutil.copyfile(state, tmp / Path(state).name)
-        # Keep the tools' logs and similarity figures; drop MLIR files and per-net bmodels.
-        shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
-        shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
-        logits = np.load(spec["verify"]["outputs"])
-        verification = base.verify(
-            request, FLOORS, schedule, text, reference, logits,
-            runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
-            "combined bmodel's nets",
-        )  # fmt: skip
-        record = compile_record(spec, result, stamp, options, verification)
-        record["artifacts"][0]["build_time"] = pinned
-        shutil.rmtree(work)
-        write_json(tmp / "compile.json", record)
-        base.check_gate(
-            target,
-            precision,
-            verification,
-            gate_hint(precision),
-        )
+    store = FinishedChunks(store_beside(request.out_dir.resolve()), job_identity(JOB_SCRIPT, stamp))
+    try:
+        with atomic_path(request.out_dir) as tmp:
+            tmp.mkdir()
+            work = tmp / "work"
+            (work / "verify").mkdir(parents=True)
+            calls = base.write_call_feeds(exports, schedule, text["ids"], work / "verify")
+            spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), calls)
+            spec["finished"] = finished_nets(spec, store, tmp.resolve())
+            store.dir.mkdir(parents=True, exist_ok=True)
+            spec_path = work / "spec.json"
+            write_json(spec_path, spec)
+            read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
+            read_only += [str(d.resolve()) for d in request.calibrations]
+            log = tmp / "logs" / "toolchain.log"
+            job = dataclasses.replace(request, log_path=log)
+            writable = [str(tmp), str(store.dir)]
+            try:
+                base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only, writable=writable)
+            except NpuforgeError as failed:
+                # The temporary directory goes away with the failure: keep the tools' output.
+                _echo_logs(log, work / "logs", str(failed))
+                raise
+            result = read_json(spec["result"])
+            pinned = pin_build_time(spec["bmodel"])
+            for state in spec["state_files"]:
+                shutil.copyfile(state, tmp / Path(state).name)
+            # Keep the tools' logs and similarity figures; drop MLIR files and per-net bmodels.
+            shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
+            shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
+            logits = np.load(spec["verify"]["outputs"])
+            verification = base.verify(
+                request, FLOORS, schedule, text, reference, logits,
+                runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
+                "combined bmodel's nets",
+            )  # fmt: skip
+            record = compile_record(spec, result, stamp, options, verification)
+            record["artifacts"][0]["build_time"] = pinned
+            shutil.rmtree(work)
+            write_json(tmp / "compile.json", record)
+            base.check_gate(
+                target,
+                precision,
+                verification,
+                gate_hint(precision),
+            )
+    finally:
+        store.drop_if_empty()
+    store.clear()
     return record
+
+
+def finished_nets(spec: dict, store, root: Path) -> dict:
+    """For the job: the store, and each net's key over what its chain reads (its
+    command lines, its directory's inputs, its graph and weights, its samples), so a
+    rerun reuses the nets a stopped compile finished (npuforge.jobs.finished_chunks)."""
+    keys = {}
+    for graph in spec["graphs"]:
+        indices = [i for i, step in enumerate(spec["steps"]) if step["graph"] == graph["net"]]
+        steps = [spec["steps"][i] for i in indices]
+        net_dir, onnx = Path(steps[0]["cwd"]), Path(graph["onnx"])
+        reads = files_in(net_dir) + [onnx]
+        weights = onnx.with_name(onnx.name + ".data")
+        reads += [weights] if weights.is_file() else []
+        if (net_dir / DATA_LIST).is_file():
+            reads += [Path(line) for line in (net_dir / DATA_LIST).read_text().split()]
+        description = json.dumps(
+            {"indices": indices, "steps": steps, "threads": spec["threads"]}, sort_keys=True
+        )
+        keys[graph["net"]] = store.key(description, {"staging": root}, inputs=reads)
+    return {"dir": str(store.dir), "root": str(root), "keys": keys}
 
 
 def _echo_logs(toolchain_log: Path, tool_logs: Path, error: str, tail: int = 60) -> None:

@@ -164,12 +164,52 @@ class _Steps:
         self.failure: str | None = None
         self.running: set = set()
         self.lock = threading.Lock()
+        # {"dir": the compile's store, "root": the staging directory, "keys": {net: key}}
+        self.finished = spec.get("finished")
+        self.store = None
+        if self.finished:
+            from finished_chunks import FinishedChunks
+
+            self.store = FinishedChunks(self.finished["dir"])
 
     def run_chain(self, indices: list) -> None:
+        if self.reuse_chain(indices):
+            return
         for index in indices:
             if self.failure is not None:
                 return
             self.run_step(index, self.spec["steps"][index])
+        self.keep_chain(indices)
+
+    def reuse_chain(self, indices: list) -> bool:
+        """A net's chain an earlier run of this compile finished (the host keyed it)."""
+        net = self.spec["steps"][indices[0]]["graph"] if indices else None
+        key = (self.finished or {}).get("keys", {}).get(net)
+        if key is None:  # not keyed, or the graph-less steps (the combine)
+            return False
+        root = self.finished["root"]
+        record = self.store.restore(key, {"staging": root})
+        if record is None:
+            return False
+        steps = json.loads(json.dumps(record["steps"]).replace("<staging>", root))
+        with self.lock:
+            self.records.update(zip(indices, steps, strict=True))
+            print(
+                f"TPU-MLIR net {net}: built by an earlier run of this compile, reused", flush=True
+            )
+        return True
+
+    def keep_chain(self, indices: list) -> None:
+        steps = [self.records.get(index) for index in indices]
+        if not self.finished or not steps or not all(step and step["passed"] for step in steps):
+            return
+        net = steps[0]["graph"]
+        key, root = self.finished["keys"].get(net), self.finished["root"]
+        if key is None:
+            return
+        outputs = [self.spec["steps"][indices[0]]["cwd"]] + [step["log"] for step in steps]
+        record = {"steps": json.loads(json.dumps(steps).replace(root, "<staging>"))}
+        self.store.keep(key, outputs, {"staging": root}, record)
 
     def run_step(self, index: int, step: dict) -> None:
         # The tools write to their own logs: say which ones run, for the step's log.
