@@ -29,7 +29,7 @@ byte-identical for the same export, text, and options.
 from pathlib import Path
 
 from npuforge import progress
-from npuforge.calibration_formats import LAYOUT, write_samples
+from npuforge.calibration_formats import LAYOUT, write_chunk_samples
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
 from npuforge.texts import heldout_tokens, read_documents, text_digest, tokenize_documents
@@ -87,26 +87,61 @@ def check_calls_fit(meta: dict, calls: int, export_dir) -> None:
         )
 
 
-def _feeds_of_run(chain, tokens, capture_step):
-    """Run ``capture_step + 1`` calls over ``tokens`` from zero state; the chunk feeds at
-    the last call. A short document repeats, as it would wrap in a decode run."""
+def capture_runs(export_dir, meta, runs, write_chunk) -> list:
+    """Run every ``(tokens, capture_step)`` of ``runs`` from zero state, ``capture_step +
+    1`` calls each (a short document repeats, as it would wrap in a decode run), and hand
+    each chunk's feeds at each run's last call to ``write_chunk(index, graph, feeds)``;
+    return what it returns, per chunk.
+
+    Chunk by chunk, as the reference run: one graph's session serves every call of every
+    run and is dropped before the next opens, so the capture holds one chunk and its
+    samples at a time (plus the hidden states between chunks: calls x embed per run)."""
     import numpy as np
 
-    per_call = chain.tokens_per_call
-    ids = np.resize(np.asarray(tokens, dtype=np.int64), (capture_step + 1) * per_call)
-    captured = {}
+    from npuforge.onnx_io import read_embedding_bin
+    from npuforge.runtime import initial_state, onnxruntime_session, run_graph
 
-    def capture(index, feeds):
-        # The chain's position is the first token of the running call.
-        if chain.position == capture_step * per_call:
-            captured[index] = {k: np.array(v, copy=True) for k, v in feeds.items()}
+    export_dir = Path(export_dir)
+    per_call = int(meta["tokens_per_call"])
+    start = initial_state(export_dir, meta)
+    embedding = None
+    if meta.get("embedding"):
+        embedding = read_embedding_bin(export_dir / meta["embedding"]["file"])
+    runs = [
+        (np.resize(np.asarray(tokens, dtype=np.int64), (step + 1) * per_call), step)
+        for tokens, step in runs
+    ]
+    carried = [[{} for _ in range(step + 1)] for _, step in runs]
+    chunks, graphs = [], meta["graphs"]
+    for index, graph in enumerate(graphs):
+        session = onnxruntime_session(export_dir / graph["file"])
+        names = [spec["name"] for spec in graph["inputs"] if spec["role"] == "state"]
+        feeds_at_capture = []
+        for number, (ids, capture_step) in enumerate(runs):
+            done = index * len(runs) + number
+            progress.stage(
+                f"calibration capture: chunk {index + 1} of {len(graphs)}, "
+                f"sample {number + 1} of {len(runs)}",
+                done,
+                len(graphs) * len(runs),
+            )
+            state = {name: start[name].copy() for name in names}
+            for call in range(capture_step + 1):
+                tokens = ids[call * per_call : (call + 1) * per_call].reshape(1, per_call)
+                seen = None
+                if call == capture_step:
 
-    chain.capture = capture
-    chain.reset()
-    for call in range(capture_step + 1):
-        chain.step(ids[call * per_call : (call + 1) * per_call].reshape(1, per_call))
-    chain.capture = None
-    return captured
+                    def seen(feeds, kept=feeds_at_capture):
+                        kept.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+
+                carried[number][call], _ = run_graph(
+                    session, meta, graph, tokens, call * per_call, embedding,
+                    carried[number][call], state, seen,
+                )  # fmt: skip
+        session = None
+        chunks.append(write_chunk(index, graph, feeds_at_capture))
+    progress.clear()
+    return chunks
 
 
 def make_calibration_samples(
@@ -120,25 +155,25 @@ def make_calibration_samples(
     zero_state=False,
     checkpoint=None,
 ) -> dict:
-    """Capture ``samples`` input sets of every chunk and write them (``write_samples``).
+    """Capture ``samples`` input sets of every chunk and write them, chunk by chunk.
 
     ``checkpoint``: the exported checkpoint, whose family's tokenizer turns the texts
     into ids (the checkpoint's tokenizer.json for Llama-family exports; RWKV uses the
     World tokenizer).
     """
 
-    from npuforge.runtime import GraphChain
-
     if samples < 1 or steps < 1:
         raise NpuforgeError("--samples and --steps must be at least 1")
-    chain = GraphChain(export_dir)
-    meta = chain.meta
-    if chain.batch != 1:
+    meta_path = Path(export_dir) / "export.json"
+    if not meta_path.is_file():
+        raise NpuforgeError(f"{export_dir}: no export.json; run export_onnx.py first")
+    meta = read_json(meta_path)
+    if int(meta["batch"]) != 1:
         raise NpuforgeError(
-            f"calibration runs batch-1 exports; {export_dir} has batch {chain.batch}: "
+            f"calibration runs batch-1 exports; {export_dir} has batch {meta['batch']}: "
             "calibrate a --batch 1 export of the same model"
         )
-    per_call = chain.tokens_per_call
+    per_call = int(meta["tokens_per_call"])
     check_calls_fit(meta, 1 if zero_state else steps, export_dir)
     documents = read_documents(text)
     from npuforge import models
@@ -152,18 +187,15 @@ def make_calibration_samples(
     plan = plan_samples(doc_tokens, samples, steps, seed, zero_state, first_step, per_call)
 
     graphs = meta["graphs"]
-    captured = []
-    for number, (doc, start, capture_step) in enumerate(plan):
-        progress.stage(
-            f"calibration capture: sample {number + 1} of {len(plan)}", number, len(plan)
-        )
-        tokens = doc_tokens[doc][start:]
-        captured.append(_feeds_of_run(chain, tokens, capture_step))
-    progress.clear()
+    runs = [(doc_tokens[doc][start:], capture_step) for doc, start, capture_step in plan]
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        chunks = write_samples(tmp, graphs, captured)
+
+        def write_chunk(index, graph, feeds):
+            return write_chunk_samples(tmp, index, graph, feeds)
+
+        chunks = capture_runs(export_dir, meta, runs, write_chunk)
         record = {
             "layout": LAYOUT,
             "samples": samples,

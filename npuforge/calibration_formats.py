@@ -43,35 +43,29 @@ def _write_npz(path: Path, arrays: dict) -> None:
             archive.writestr(info, _npy_bytes(arrays[name]))
 
 
-def write_samples(tmp: Path, graphs: list, captured: list) -> list:
-    """Write every chunk's captured feeds under ``tmp``; return calibration.json's
-    ``chunks`` entries."""
+def write_chunk_samples(tmp: Path, index: int, graph: dict, feeds: list) -> dict:
+    """Write one chunk's captured feeds (one dict per sample) under ``tmp``; return its
+    calibration.json ``chunks`` entry."""
     import numpy as np
 
-    chunks = []
-    for index, graph in enumerate(graphs):
-        folder = tmp / f"chunk{index}"
-        folder.mkdir(parents=True)
-        files = []
-        for j, run in enumerate(captured):
-            arrays = {
-                spec["name"]: np.ascontiguousarray(run[index][spec["name"]], dtype=spec["dtype"])
-                for spec in graph["inputs"]
-            }
-            _write_npz(folder / f"sample{j}.npz", arrays)
-            files.append(f"chunk{index}/sample{j}.npz")
-        chunks.append(
-            {
-                "index": index,
-                "file": graph["file"],
-                "inputs": [
-                    {k: spec[k] for k in ("name", "shape", "dtype", "role")}
-                    for spec in graph["inputs"]
-                ],
-                "npz": files,
-            }
-        )
-    return chunks
+    folder = tmp / f"chunk{index}"
+    folder.mkdir(parents=True)
+    files = []
+    for j, run in enumerate(feeds):
+        arrays = {
+            spec["name"]: np.ascontiguousarray(run[spec["name"]], dtype=spec["dtype"])
+            for spec in graph["inputs"]
+        }
+        _write_npz(folder / f"sample{j}.npz", arrays)
+        files.append(f"chunk{index}/sample{j}.npz")
+    return {
+        "index": index,
+        "file": graph["file"],
+        "inputs": [
+            {k: spec[k] for k in ("name", "shape", "dtype", "role")} for spec in graph["inputs"]
+        ],
+        "npz": files,
+    }
 
 
 def chunk_samples(calibration_dir, index: int) -> tuple[list[Path], list[dict]]:

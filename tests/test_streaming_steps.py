@@ -120,3 +120,90 @@ def test_the_export_check_holds_one_model_at_a_time(tmp_path):
     exports = [str(tmp_path / "decode"), str(tmp_path / "prefill")]
     peak = peak_bytes(VERIFY_SETUP, f"verify_export({exports!r}, {str(checkpoint)!r}, 12)")
     assert peak < 1.8 * model_bytes, (peak, model_bytes)
+
+
+def capture_call_by_call(export_dir, meta, runs, write_chunk) -> list:
+    """How calibration captured before it went chunk by chunk: the whole chain held,
+    each run call by call through every chunk (the reference for the bytes)."""
+    import numpy as np
+
+    from npuforge.runtime import GraphChain
+
+    chain, captured = GraphChain(export_dir), []
+    per_call = chain.tokens_per_call
+    for tokens, capture_step in runs:
+        ids = np.resize(np.asarray(tokens, dtype=np.int64), (capture_step + 1) * per_call)
+        feeds_at = {}
+
+        def capture(index, feeds, feeds_at=feeds_at, capture_step=capture_step):
+            if chain.position == capture_step * per_call:
+                feeds_at[index] = {k: np.array(v, copy=True) for k, v in feeds.items()}
+
+        chain.capture = capture
+        chain.reset()
+        for call in range(capture_step + 1):
+            chain.step(ids[call * per_call : (call + 1) * per_call].reshape(1, per_call))
+        captured.append(feeds_at)
+    return [
+        write_chunk(index, graph, [run[index] for run in captured])
+        for index, graph in enumerate(meta["graphs"])
+    ]
+
+
+@pytest.mark.parametrize("variant, tokens", [("decode", 1), ("prefill", 4)])
+def test_calibration_chunk_by_chunk_writes_the_call_by_call_runs_bytes(
+    tmp_path, monkeypatch, variant, tokens
+):
+    from npuforge import calibration
+
+    checkpoint = tmp_path / "ckpt"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=3, embed=64, heads=4, kv_heads=2, vocab=300, intermediate=96,
+        arch="qwen2", tied=True, seed=2,
+    )  # fmt: skip
+    export = tmp_path / "export"
+    export_llama(checkpoint, export, variant=variant, tokens=tokens, chunks=3, cache_len=64,
+                 kv_prefix=[1, 5], ext_embedding=True)  # fmt: skip
+    common = {"samples": 3, "steps": 6, "seed": 4, "checkpoint": checkpoint}
+    calibration.make_calibration_samples(export, tmp_path / "chunked", **common)
+    monkeypatch.setattr(calibration, "capture_runs", capture_call_by_call)
+    calibration.make_calibration_samples(export, tmp_path / "whole", **common)
+    files = sorted(
+        str(p.relative_to(tmp_path / "whole")) for p in (tmp_path / "whole").rglob("*.*")
+    )
+    assert len(files) == 1 + 3 * 3
+    _, mismatch, errors = filecmp.cmpfiles(
+        tmp_path / "chunked", tmp_path / "whole", files, shallow=False
+    )
+    assert mismatch == errors == []
+
+
+CALIBRATION_SETUP = """
+from npuforge.calibration import make_calibration_samples
+make_calibration_samples({tiny!r}, {warm!r}, samples=2, steps=2, seed=0)
+"""
+
+
+def test_calibration_holds_one_chunk_not_the_model(tmp_path):
+    """Peak RSS of capturing 4 samples from a 16-layer float32 export (268 MB of weights)
+    in 1 and in 16 chunks: chunk by chunk, one graph's session is open at a time."""
+    checkpoint, tiny = tmp_path / "ckpt", tmp_path / "tiny"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=16, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
+    )  # fmt: skip
+    weights.write_synthetic_checkpoint(
+        tiny, layers=2, embed=32, heads=2, kv_heads=2, vocab=64, intermediate=48
+    )
+    export_llama(tiny, tmp_path / "tiny-export", variant="decode", tokens=1, cache_len=8)
+    model_bytes = 4 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+    peaks = {}
+    for chunks in (1, 16):
+        export = tmp_path / f"c{chunks}"
+        export_llama(checkpoint, export, variant="decode", tokens=1, chunks=chunks, cache_len=8)
+        setup = CALIBRATION_SETUP.format(
+            tiny=str(tmp_path / "tiny-export"), warm=str(tmp_path / f"warm{chunks}")
+        )
+        run = f"make_calibration_samples({str(export)!r}, {str(tmp_path / f'cal{chunks}')!r}, "
+        run += "samples=4, steps=4, seed=0)"
+        peaks[chunks] = peak_bytes(setup, run)
+    assert peaks[16] < model_bytes / 2 and peaks[16] < peaks[1] / 4, (peaks, model_bytes)
