@@ -78,8 +78,8 @@ def fetch_mem_mb(model: dict) -> int:
 
 # What the steps besides compile reserve, per parameter, and at least (the interpreter,
 # torch, onnxruntime). A step that holds the whole model in float32 with its traced and
-# serialized copies (calibration capture, an export with a lever that changes the whole
-# model, a GGUF's dequantization): 16, from the exports of Qwen2.5-0.5B in one piece
+# serialized copies (an export with a lever that changes the whole model, a GGUF's
+# dequantization): 16, from the exports of Qwen2.5-0.5B in one piece
 # (10.6 bytes/parameter, bench/bench_scale.py) with headroom.
 WHOLE_MODEL_BYTES_PER_PARAM = 16
 # An export that reads one chunk at a time (the llama family without such levers, and
@@ -92,12 +92,31 @@ EXPORT_CHUNK_BYTES_PER_PARAM = 22
 # verify_onnx: one model at a time (the reference, then each export's graphs), 1.5 times
 # the float32 weights in tests/test_streaming_steps.py; 8 leaves room for the activations.
 VERIFY_BYTES_PER_PARAM = 8
+# Calibration capture, per parameter of the heaviest chunk: one float32 session and its
+# samples, 3.3 for a 16-chunk capture in tests/test_streaming_steps.py, 4.6 for Qwen2.5-1.5B
+# captured whole (7.1 GB, before it went chunk by chunk); 8 leaves room for the samples.
+CALIBRATION_CHUNK_BYTES_PER_PARAM = 8
 STEP_FLOOR_MB = 1000
 
 
 def whole_model_mem_mb(model: dict) -> int:
     """What a step that holds the whole model reserves."""
     return _step_mb(estimate_params(model) * WHOLE_MODEL_BYTES_PER_PARAM)
+
+
+def heaviest_chunk(model: dict, options: dict) -> int:
+    """Parameters of the export's heaviest chunk (the table and the head counted)."""
+    layers = int(model["arch"]["layers"])
+    sizes = chunk_params(
+        parameter_counts(model), layers, int(options.get("chunks", 1)),
+        bool(options.get("ext_embedding", False)), options.get("layers_per_chunk"),
+    )  # fmt: skip
+    return max(sizes)
+
+
+def calibration_mem_mb(model: dict, options: dict) -> int:
+    """What calibration capture reserves: it holds one chunk's graph and samples."""
+    return _step_mb(heaviest_chunk(model, options) * CALIBRATION_CHUNK_BYTES_PER_PARAM)
 
 
 def export_mem_mb(model: dict, options: dict) -> int:
@@ -107,12 +126,7 @@ def export_mem_mb(model: dict, options: dict) -> int:
     whole_model_options = getattr(models.family(model["family"]), "WHOLE_MODEL_OPTIONS", None)
     if whole_model_options is None or any(options.get(name) for name in whole_model_options):
         return whole_model_mem_mb(model)
-    layers = int(model["arch"]["layers"])
-    sizes = chunk_params(
-        parameter_counts(model), layers, int(options.get("chunks", 1)),
-        bool(options.get("ext_embedding", False)), options.get("layers_per_chunk"),
-    )  # fmt: skip
-    return _step_mb(max(sizes) * EXPORT_CHUNK_BYTES_PER_PARAM)
+    return _step_mb(heaviest_chunk(model, options) * EXPORT_CHUNK_BYTES_PER_PARAM)
 
 
 def verify_mem_mb(model: dict) -> int:

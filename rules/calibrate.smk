@@ -12,7 +12,7 @@ rule calibrate:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: whole_model_mem_mb(w.model),
+        mem_mb=lambda w: calibration_mem_mb(w.model, w.key),
     params:
         code=step_code("make_calibration_samples"),
         samples=lambda w: PLAN.calibration_samples(

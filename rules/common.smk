@@ -206,6 +206,12 @@ def export_mem_mb(model, key):
     return memory_plan.export_mem_mb(MODELS[model], PLAN.export_options(model, key))
 
 
+def calibration_mem_mb(model, key):
+    return memory_plan.calibration_mem_mb(
+        MODELS[model], PLAN.export_options(model, key)
+    )
+
+
 def verify_mem_mb(model):
     return memory_plan.verify_mem_mb(MODELS[model])
 

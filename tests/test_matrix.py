@@ -816,6 +816,12 @@ def test_an_export_reserves_its_heaviest_chunk_unless_a_lever_needs_the_whole_mo
     rwkv = MODELS["rwkv7-1.5b-shape"]
     assert export_mem_mb(rwkv, {"chunks": 6}) < whole_model_mem_mb(rwkv) / 2
     assert whole_model_mem_mb(model) > verify_mem_mb(model)
+    # Calibration capture holds one chunk's graph and samples, as the export does.
+    from npuforge.memory_plan import CALIBRATION_CHUNK_BYTES_PER_PARAM, calibration_mem_mb
+
+    options = {"chunks": 6, "ext_embedding": True}
+    expected = math.ceil(heaviest * CALIBRATION_CHUNK_BYTES_PER_PARAM / 1e6)
+    assert calibration_mem_mb(model, options) == expected < whole / 4
 
 
 @pytest.mark.parametrize("layers", [1, 5, 24, 28])
