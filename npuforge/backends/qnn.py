@@ -327,7 +327,7 @@ class ChunkJobs:
                 if index:
                     say(f"chunks 0-{index - 1} are kept: a rerun of this compile reuses them")
                 raise
-            produced = produced_files(chunk, read_json(chunk_dir / "result.json"))
+            produced = produced_files(read_json(chunk_dir / "result.json"))
             outputs = [chunk_dir / "result.json", chunk_dir / "simulate"]
             outputs += [self.roots["staging"] / name for name in produced]
             self.finished.keep(key, outputs, self.roots)
@@ -349,12 +349,9 @@ def chunk_inputs(chunk) -> list[Path]:
     return files
 
 
-def produced_files(chunk, result) -> list[str]:
-    """The files a chunk job wrote into the output: its contexts and their binaries."""
-    names = {graph["ctx_file"] for graph in chunk["graphs"]}
-    for entry in result["chunks"]:
-        names.update(entry["binaries"])
-    return sorted(names)
+def produced_files(result) -> list[str]:
+    """The files a chunk job wrote into the output (its contexts and their binaries)."""
+    return sorted({name for entry in result["chunks"] for name in entry["out_files"]})
 
 
 def _verification(request, checked, result, stamp) -> dict:

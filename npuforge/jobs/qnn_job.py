@@ -203,10 +203,12 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
             raise RuntimeError(f"error: compiling chunk {chunk['index']} failed (see above)")
         log(f"chunk {chunk['index']} compiled in {seconds:.1f} s")
         out_dir, work_dir = Path(spec["out_dir"]), Path(spec["work_dir"])
-        for produced in sorted(Path(stage, "out").iterdir()):
+        written = sorted(Path(stage, "out").iterdir())
+        for produced in written:
             shutil.copyfile(produced, out_dir / produced.name)
         result = json.loads(Path(stage, "work", f"chunk{chunk['index']}_result.json").read_text())
         result.update(quantization=quantization, context_seconds=round(seconds, 3))
+        result["out_files"] = [produced.name for produced in written]
         for variant, twin in sorted(result.get("simulate_ctx", {}).items()):
             # The simulator-only twins (see compile_chunk) go where verify() reads them.
             for produced in Path(stage, twin).parent.iterdir():
