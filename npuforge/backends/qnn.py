@@ -257,9 +257,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             jobs = ChunkJobs(request, spec, read_only, staging.resolve(), work_dir, stamp)
             compiled = jobs.compile_every_chunk()
             if spec.get("verify"):
-                compiled_path = work_dir / "compiled.json"
+                compiled_path = jobs.roots["work"] / "compiled.json"  # absolute: the job's cwd
                 write_json(compiled_path, compiled)
-                spec_path = work_dir / "spec.json"
+                spec_path = jobs.roots["work"] / "spec.json"
                 write_json(spec_path, {**spec, "chunks": [], "compiled": str(compiled_path)})
                 jobs.run(spec_path)
                 result = read_json(work_dir / "result.json")
