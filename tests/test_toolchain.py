@@ -628,3 +628,51 @@ def test_a_builder_waiting_for_another_says_so_while_it_waits(tmp_path, monkeypa
     waiter.join(timeout=30)
     assert not waiter.is_alive() and not built  # found complete: not built twice
     assert said[0].startswith("waiting for venv-x: another npuforge process on this machine")
+
+
+# A step that runs a job through run_reporting, the job a chunk process through
+# job_stage.run_relayed: each prints its pid, then the job and the chunk sleep.
+CHUNK = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+JOB = (
+    "import os, sys; sys.path.insert(0, {jobs!r}); import job_stage; "
+    "print(os.getpid(), flush=True); job_stage.run_relayed([sys.executable, '-c', {chunk!r}])"
+)
+KILLED_STEP = """
+import os, sys
+from npuforge.toolchain.reporting import run_reporting
+run_reporting([sys.executable, "-c", {job!r}], dict(os.environ), None, "job", out=sys.stdout)
+"""
+
+
+def test_a_killed_step_takes_its_toolchain_job_and_the_jobs_children_with_it(tmp_path):
+    """SIGKILL gives a step no chance to stop its job (in a session of its own): the job
+    and the processes it starts die with their parents, so none writes on into the
+    staging directory that the next run removes as an orphan."""
+    jobs = str(Path(toolchain.__file__).resolve().parents[1] / "jobs")
+    log = tmp_path / "step.log"
+    with open(log, "w") as out:
+        step = subprocess.Popen(
+            [sys.executable, "-c", KILLED_STEP.format(job=JOB.format(jobs=jobs, chunk=CHUNK))],
+            stdout=out,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while len(log.read_text().split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(word) for word in log.read_text().split()[:2]]
+        assert len(pids) == 2, log.read_text()
+        step.kill()
+        step.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), pids

@@ -97,6 +97,35 @@ def disable_aslr() -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(then=None):
+    """A ``preexec_fn``: the child is killed when the process that started it dies, so a
+    step killed with SIGKILL does not leave its toolchain job (or a job its chunk
+    processes) writing into a staging directory the next run removes as an orphan.
+    ``then``: another preexec function to run after. Built in the parent: the child
+    only makes the call (loading a library after fork could wait on a lock forever)."""
+    import ctypes
+    import signal
+
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the call took
+                os._exit(1)
+        if then is not None:
+            then()
+
+    return preexec
+
+
 def one_cpu() -> None:
     """Run this process (and what it execs) on one CPU: thread pools size themselves by
     the CPUs allowed, and threads' allocations interleave by load. Any one CPU will do;
@@ -119,6 +148,7 @@ def run_relayed(command: list, **options) -> int:
     own output goes (see the module doc)."""
     import subprocess
 
+    options["preexec_fn"] = die_with_parent(then=options.get("preexec_fn"))
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **options
     ) as process:

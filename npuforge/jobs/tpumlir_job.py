@@ -136,6 +136,17 @@ def missing_frontend() -> str | None:
     return None
 
 
+def _die_with_parent():
+    """job_stage.die_with_parent, imported when a tool runs (this module is also loaded
+    by path, without this directory on the import path)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from job_stage import die_with_parent
+
+    return die_with_parent()
+
+
 def step_chains(steps: list) -> tuple[list, list]:
     """Step indices as one chain per net (its steps in order) and the graph-less steps
     (model_tool's combine), which run after every chain."""
@@ -226,8 +237,9 @@ class _Steps:
             log.flush()
             started = time.monotonic()
             proc = subprocess.run(
-                step["argv"], cwd=step["cwd"], env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
+                step["argv"], cwd=step["cwd"], env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent(),
+            )  # fmt: skip
             seconds = round(time.monotonic() - started, 1)
             log.seek(0)
             text = log.read()
@@ -293,7 +305,7 @@ def run(spec: dict) -> dict:
             # this job's output (and so its heartbeat) as well as the log.
             with subprocess.Popen(
                 argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, errors="replace",
+                text=True, errors="replace", preexec_fn=_die_with_parent(),
             ) as proc:  # fmt: skip
                 for line in proc.stdout:
                     log.write(line)

@@ -10,6 +10,7 @@ import tempfile
 import time
 
 from npuforge.errors import NpuforgeError
+from npuforge.jobs.job_stage import die_with_parent
 from npuforge.toolchain.machine_cache import disk_full
 
 
@@ -73,6 +74,8 @@ def run_reporting(cmd, env, cwd, what: str, *, quiet_s: float = 10.0, out=None):
             env=env,
             cwd=cwd,
             start_new_session=True,
+            # Killed with the step: a SIGKILLed step gets no chance to stop it.
+            preexec_fn=die_with_parent(),
         )
         try:
             return _report_until_done(process, reader, out, what, quiet_s)
