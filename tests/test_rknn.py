@@ -216,6 +216,57 @@ def test_parse_placement_counts_cpu_fallback():
     ]
 
 
+# rknn-toolkit2 2.5.0's error_analysis.txt (accuracy_analysis on the simulator), cut down.
+ERROR_ANALYSIS = """\
+# simulator_error: calculate the output error of each layer of the simulator.
+
+layer_name                          simulator_error
+                                entire              single
+                             cos      euc        cos      euc
+-------------------------------------------------------------------
+[Input] embedding                             1.00000 | 0.00000   1.00000 | 0.00000
+[Conv] /layers.0/self_attn/q_proj/MatMul_output_0_mm
+[exNorm] /layers.0/input_layernorm/Mul_3_output_0  0.99990 | 0.05045   0.99990 | 0.05045
+[Conv] /layers.0/mlp/down_proj/MatMul_output_0_mm  0.98000 | 4.58027   0.99500 | 3.42518
+[Add] /layers.0/Add_1_output_0                0.97000 | 5.1e+01   0.99900 | 2.26426
+[Conv] /layers.1/mlp/down_proj/MatMul_output_0_mm  0.90000 | 9.00000   0.95000 | 7.00000
+[Add] /layers.1/Add_1_output_0                0.89000 | 9.50000   0.99950 | 1.00000
+"""
+
+
+def test_layer_error_table_is_parsed_and_summarised():
+    from npuforge.backends import layer_error
+
+    rows = _job_module().parse_error_analysis(ERROR_ANALYSIS)
+    # The fused row (no figures) is left out; every figure is read, exponents too.
+    assert [r["op"] for r in rows] == ["Input", "exNorm", "Conv", "Add", "Conv", "Add"]
+    assert rows[3] == {
+        "op": "Add",
+        "tensor": "/layers.0/Add_1_output_0",
+        "entire_cosine": 0.97,
+        "entire_euclid": 51.0,
+        "single_cosine": 0.999,
+        "single_euclid": 2.26426,
+    }
+    summary = layer_error.summarize([rows[:4], rows[4:]], [8, 24])
+    assert [(r["chunk"], r["tensor"]) for r in summary["worst_layers"][:2]] == [
+        (1, "/layers.1/mlp/down_proj/MatMul_output_0_mm"),
+        (0, "/layers.0/mlp/down_proj/MatMul_output_0_mm"),
+    ]
+    assert summary["by_kind"]["/layers.N/mlp/down_proj/MatMul_output_0_mm"] == {
+        "layers": 2,
+        "worst_single": 0.95,
+    }
+    assert next(iter(summary["by_kind"])) == "/layers.N/mlp/down_proj/MatMul_output_0_mm"
+    assert summary["entire_cosine_after_layer"] == [[0, 0.97], [1, 0.89]]
+    lines = layer_error.report_lines(summary, "rknn-toolkit2 accuracy_analysis")
+    assert "held-out steps [8, 24]" in lines[0] and lines[-1].endswith("0:0.9700 1:0.8900")
+    assert layer_error.sample_steps(32, 2) == [8, 24]
+    assert layer_error.sample_steps(3, 5) == [0, 1, 2]
+    with pytest.raises(NpuforgeError, match="option layer_error must be a number"):
+        options({**RK3588, "layer_error": -1})
+
+
 def test_staging_hides_where_inputs_and_toolchain_live(tmp_path):
     """Two checkouts (different absolute paths) stage to the same path and spec bytes."""
     import shutil
@@ -474,7 +525,9 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
         [export_dir], calibration, "RK3588", plain_options, "w8a8", toolchain, tmp_path / "p"
     )
     first, second = tmp_path / "a", tmp_path / "b"
-    record = compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, first)
+    # The first build also runs the toolkit's per-layer analysis; the bytes stay the same.
+    analysed = {**options, "layer_error": 2}
+    record = compile_rknn([export_dir], calibration, "RK3588", analysed, "w8a8", toolchain, first)
     assert plain["options"]["float16"] is None
     float16 = record["options"]["float16"]
     assert float16["selection"] == {"except_op_types": ["Conv"]}
@@ -488,9 +541,22 @@ def test_w8a8_hybrid_float16_recorded_better_and_byte_reproducible(export_dir, t
     assert figures["cosine"] > plain["verification"]["cosine"]
     assert figures["cosine_mean"] > plain["verification"]["cosine_mean"]
 
+    # Only the Conv layers' outputs are int8: a float16 layer fed fp32 inputs loses nothing
+    # an int8 one does, and the error grows along the graph.
+    errors = record["layer_error"]
+    assert errors["held_out_steps"] == [8, 24] and len(errors["chunks"]) == 2
+    rows = [row for chunk in errors["chunks"] for row in chunk]
+    convs = [row["single_cosine"] for row in rows if row["op"] == "Conv"]
+    others = [row["single_cosine"] for row in rows if row["op"] not in ("Conv", "exDataConvert")]
+    print("layer error:", json.dumps(errors["worst_layers"], indent=1))
+    assert convs and others and min(convs) < min(others)
+    assert errors["worst_layers"][0]["single_cosine"] == min(r["single_cosine"] for r in rows)
+
     again = compile_rknn([export_dir], calibration, "RK3588", options, "w8a8", toolchain, second)
-    assert _digests(first) == _digests(second)
-    assert again["options"]["float16"] == float16
+    binaries = [a["file"] for a in record["artifacts"]]
+    assert binaries == ["chunk0.rknn", "chunk1.rknn"]
+    assert {b: _digests(first)[b] for b in binaries} == {b: _digests(second)[b] for b in binaries}
+    assert again["options"]["float16"] == float16 and "layer_error" not in again
 
 
 @pytest.mark.toolchain

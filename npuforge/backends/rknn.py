@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuforge import backends
-from npuforge.backends import base
+from npuforge.backends import base, layer_error
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
 from npuforge.jobs.finished_chunks import (
@@ -90,6 +90,9 @@ class Options(base.CommonOptions):
     # The toolkit's own hybrid search (layers below the cosine threshold stay float16).
     auto_hybrid: bool = False
     auto_hybrid_cos_thresh: float | None = None
+    # Held-out steps of the toolkit's per-layer error analysis (accuracy_analysis) after
+    # the build, worst of them in the log and compile.json; 0: none (it adds minutes).
+    layer_error: int = 0
 
     def __post_init__(self):
         if self.target_platform.lower() not in PLATFORM_PRECISIONS:
@@ -101,6 +104,11 @@ class Options(base.CommonOptions):
             raise NpuforgeError(
                 f"quantized_algorithm '{self.quantized_algorithm}' is not one of "
                 f"{', '.join(QUANTIZED_ALGORITHMS)}"
+            )
+        if not isinstance(self.layer_error, int) or self.layer_error < 0:
+            raise NpuforgeError(
+                f"option layer_error must be a number of held-out steps (0: none), got "
+                f"{self.layer_error!r}"
             )
 
     @property
@@ -218,6 +226,7 @@ def _param_count(export: base.Export) -> int:
 
 def build_spec(graph, chunk, paths, options: Options, precision, dataset, steps) -> dict:
     """The job spec of one chunk (everything absolute; see npuforge/jobs/rknn_job.py)."""
+    layer_inputs = paths.get("layer_error_inputs")
     return {
         "onnx": str(paths["onnx"]),
         "rknn": str(paths["rknn"]),
@@ -241,6 +250,12 @@ def build_spec(graph, chunk, paths, options: Options, precision, dataset, steps)
             "start": {name: str(path) for name, path in paths.get("start", {}).items()},
             "save": {name: str(path) for name, path in paths["save"].items()},
         },
+        "layer_error": {
+            "inputs": [[str(path) for path in sample] for sample in layer_inputs],
+            "dir": str(paths["layer_error_dir"]),
+        }
+        if layer_inputs
+        else None,
         "build_log": str(paths["build_log"]),
         "result": str(paths["result"]),
         "chunk": chunk,
@@ -297,13 +312,14 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
 
     reference = base.reference_logits(exports, schedule, text["ids"], capture)
 
+    analysed = layer_error.sample_steps(steps, options.layer_error) if options.layer_error else []
     out_dir = request.out_dir.resolve()
     finished = FinishedChunks(store_beside(out_dir), job_identity(JOB_SCRIPT, stamp))
     with atomic_path(out_dir) as staging:
         staging.mkdir(parents=True)
         work = staging / "work"
         work.mkdir()
-        artifacts, placements, rewrites, aslr_disabled, hybrids = [], [], [], [], []
+        artifacts, placements, rewrites, aslr_disabled, hybrids, errors = [], [], [], [], [], []
         site_packages, clocks = set(), set()
         previous_outputs = {}
         logits = None
@@ -341,6 +357,10 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "build_log": chunk_work / "build.log",
                 "result": chunk_work / "result.json",
                 "hybrid_dir": chunk_work / "hybrid",
+                "layer_error_inputs": write_layer_error_inputs(
+                    graph, index, fed, analysed, chunk_work
+                ),
+                "layer_error_dir": chunk_work / "layer_error",
             }
             dataset = None
             if quantized:
@@ -364,6 +384,8 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             placements.append({"chunk": index, **result["placement"]})
             if result.get("hybrid"):
                 hybrids.append({"chunk": index, **result["hybrid"]})
+            if result.get("layer_error"):
+                errors.append(result["layer_error"]["layers"])
             aslr_disabled.append(bool(result.get("aslr_disabled")))
             site_packages.add(result.get("site_packages", "none"))
             clocks.add(result.get("fixed_clock"))
@@ -382,6 +404,11 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 }
             )
         shutil.rmtree(work)
+        layer_errors = None
+        if errors:
+            layer_errors = layer_error.summarize(errors, analysed)
+            for line in layer_error.report_lines(layer_errors, "rknn-toolkit2 accuracy_analysis"):
+                say(line)
 
         verification = base.verify(
             request, FLOORS, schedule, text, reference, logits,
@@ -410,6 +437,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "chunks": placements,
             },
             "graph_rewrites": rewrites,
+            **({"layer_error": {**layer_errors, "chunks": errors}} if layer_errors else {}),
             "options": {
                 **backends.options_dict(options),
                 "quantized_dtype": precision if quantized else None,
@@ -433,6 +461,22 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         )
     finished.clear()
     return record
+
+
+def write_layer_error_inputs(graph, index, fed, steps, chunk_work) -> list[list[Path]]:
+    """The fp32 reference's inputs of chunk ``index`` at each analysed step, .npy per input."""
+    import numpy as np
+
+    samples = []
+    for j, step in enumerate(steps):
+        sample = []
+        for k, spec in enumerate(graph["inputs"]):
+            path = chunk_work / f"layer_error_{j}_{k}.npy"
+            value = fed[(index, spec["name"])][step]
+            np.save(path, np.ascontiguousarray(value, dtype=spec.get("dtype", "float32")))
+            sample.append(path)
+        samples.append(sample)
+    return samples
 
 
 def run_chunk_job(request, spec_path, read_only, staging, env, paths, chunks, index) -> None:

@@ -13,7 +13,9 @@ state input), ``verify`` ({steps, feeds: {input: .npy of [steps, *shape]}, start
 {state input: .npy of its first value, when not zeros},
 save: {output: .npy to write [steps, *shape]}}), ``build_log``, ``result``, and
 ``float16`` (null, {op_types: [...]} or {except_op_types: [...]}: hybrid
-quantization, see ``_hybrid_build``) with ``hybrid_dir`` (its scratch directory).
+quantization, see ``_hybrid_build``) with ``hybrid_dir`` (its scratch directory),
+``layer_error`` (null, or {inputs: [[.npy per graph input] per sample], dir}: the
+toolkit's ``accuracy_analysis`` of each layer against fp32, run after the export).
 
 The simulator only works inside the RKNN object that built the model, so the
 build, the export and the recurrent run happen in this one process: state
@@ -125,7 +127,9 @@ def _stage(spec_path):
             real = os.path.abspath(spec[key])
             links[link] = os.path.dirname(real)
             staged[key] = f"{link}/{os.path.basename(real)}"
-    staged.update(rknn="out.rknn", build_log="build.log", result=None, verify=None)
+    staged.update(
+        rknn="out.rknn", build_log="build.log", result=None, verify=None, layer_error=None
+    )
     if spec.get("hybrid_dir"):
         staged["hybrid_dir"] = "hybrid"  # scratch: nothing outside the job reads it
     stage, python, lock = job_stage.make_stage(
@@ -252,6 +256,62 @@ def _with_float16_layers(text, names):
     return "\n".join(lines) + found + rest
 
 
+# One row of the toolkit's error_analysis.txt (a fused layer's row has no figures):
+#   [OpType] tensor   <entire cos> | <entire euc>   <single cos> | <single euc>
+_ERROR_ROW = re.compile(
+    r"^\[(\S+)\]\s+(\S+)\s+([-\d.]+)\s*\|\s*([-\d.eE+]+)\s+([-\d.]+)\s*\|\s*([-\d.eE+]+)"
+)
+
+
+def parse_error_analysis(text):
+    """Rows of rknn-toolkit2's error_analysis.txt (simulator against fp32), graph order.
+
+    ``entire``: the layer's output with every earlier layer quantized too (errors
+    accumulate); ``single``: the layer alone, fed fp32 inputs.
+    """
+    rows = []
+    for line in text.splitlines():
+        match = _ERROR_ROW.match(line.strip())
+        if match:
+            op, tensor, entire, entire_euc, single, single_euc = match.groups()
+            rows.append(
+                {
+                    "op": op,
+                    "tensor": tensor,
+                    "entire_cosine": float(entire),
+                    "entire_euclid": float(entire_euc),
+                    "single_cosine": float(single),
+                    "single_euclid": float(single_euc),
+                }
+            )
+    return rows
+
+
+def _layer_error(rknn, layer_error):
+    """Per layer, the worst cosine over the samples (``accuracy_analysis``, simulator).
+
+    The dumps of every layer's tensors are deleted after each sample: only the table stays.
+    """
+    import shutil
+
+    worst = {}
+    samples = layer_error["inputs"]
+    for j, inputs in enumerate(samples):
+        say(f"layer error analysis, sample {j + 1} of {len(samples)}")
+        out = os.path.join(layer_error["dir"], f"sample{j}")
+        _check(rknn.accuracy_analysis(inputs=inputs, output_dir=out), "accuracy_analysis")
+        with open(os.path.join(out, "error_analysis.txt"), encoding="utf-8") as handle:
+            rows = parse_error_analysis(handle.read())
+        shutil.rmtree(out)
+        for row in rows:
+            kept = worst.setdefault((row["op"], row["tensor"]), dict(row))
+            for key in ("entire_cosine", "single_cosine"):
+                kept[key] = min(kept[key], row[key])
+            for key in ("entire_euclid", "single_euclid"):
+                kept[key] = max(kept[key], row[key])
+    return {"samples": len(samples), "layers": list(worst.values())}
+
+
 def main(spec_path):
     import shutil
 
@@ -331,6 +391,7 @@ def main(spec_path):
                         saved[o["name"]].append(value)
             for name, path in verify["save"].items():
                 np.save(path, np.stack(saved[name]))
+        layer_error = _layer_error(rknn, dest["layer_error"]) if dest.get("layer_error") else None
         rknn.release()
     finally:
         restore()
@@ -350,6 +411,7 @@ def main(spec_path):
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
         "site_packages": job_stage.site_packages_mode(),
         "hybrid": hybrid_record,
+        "layer_error": layer_error,
     }
     with open(dest["result"], "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2, sort_keys=True)

@@ -1,0 +1,72 @@
+"""Per-layer quantization error from a vendor's analysis tool, summarised for a build log.
+
+A table is a list of rows {op, tensor, entire_cosine, single_cosine, ...} in graph
+order: ``single`` is the layer alone fed fp32 inputs (its own quantization error),
+``entire`` the layer with every earlier one quantized too (the error so far).
+"""
+
+import re
+
+_LAYER = re.compile(r"layers\.(\d+)[/._]")
+WORST_ROWS = 8
+
+
+def sample_steps(steps: int, samples: int) -> list[int]:
+    """``samples`` verification steps spread evenly over ``steps`` (each at most once)."""
+    samples = min(int(samples), int(steps))
+    return sorted({int((j + 0.5) * steps / samples) for j in range(samples)})
+
+
+def kind(tensor: str) -> str:
+    """The tensor's name with its decoder layer index replaced by N."""
+    return _LAYER.sub(lambda m: m.group(0).replace(m.group(1), "N"), tensor, count=1)
+
+
+def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
+    """Worst layers, worst cosine per kind of layer, and the error after each decoder layer.
+
+    ``tables``: one table per chunk, in chunk order.
+    """
+    rows = [{"chunk": i, **row} for i, table in enumerate(tables) for row in table]
+    kinds = {}
+    for row in rows:
+        entry = kinds.setdefault(kind(row["tensor"]), {"layers": 0, "worst_single": 1.0})
+        entry["layers"] += 1
+        entry["worst_single"] = min(entry["worst_single"], row["single_cosine"])
+    after_layer = {}
+    for row in rows:
+        match = _LAYER.search(row["tensor"])
+        if match:
+            after_layer[int(match.group(1))] = row["entire_cosine"]  # the layer's last row
+    worst = sorted(rows, key=lambda row: row["single_cosine"])[:WORST_ROWS]
+    return {
+        "held_out_steps": steps,
+        "worst_layers": worst,
+        "by_kind": dict(sorted(kinds.items(), key=lambda item: item[1]["worst_single"])),
+        "entire_cosine_after_layer": [[i, after_layer[i]] for i in sorted(after_layer)],
+    }
+
+
+def report_lines(summary: dict, tool: str) -> list[str]:
+    """What a build log shows of a summary: where the error comes from, in a few lines."""
+    lines = [
+        f"layer error ({tool}; simulator against fp32, worst of held-out steps "
+        f"{summary['held_out_steps']}): single = the layer alone on fp32 inputs, entire = "
+        "with every earlier layer quantized"
+    ]
+    for row in summary["worst_layers"]:
+        lines.append(
+            f"  worst: [{row['op']}] {row['tensor']} (chunk {row['chunk']}): single "
+            f"{row['single_cosine']:.5f}, entire {row['entire_cosine']:.5f}"
+        )
+    for name, entry in list(summary["by_kind"].items())[:WORST_ROWS]:
+        lines.append(
+            f"  kind: {name}: worst single {entry['worst_single']:.5f} over {entry['layers']}"
+        )
+    after = summary["entire_cosine_after_layer"]
+    if after:
+        lines.append(
+            "  entire cosine after each decoder layer: "
+            + " ".join(f"{layer}:{value:.4f}" for layer, value in after)
+        )
+    return lines
