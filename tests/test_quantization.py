@@ -598,5 +598,12 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
     assert record["perplexity"]["delta"] != 0.0 and record["cosine"] < 1.0
     assert record["against_export"]["perplexity"]["delta"] == 0.0
     assert record["reference"].endswith("before rounding at export")
+    # A failed gate's one line says how far the binary is from its own rounded export.
+    failed = {**record, "passed": False, "failures": ["logits cosine 0.9 < 1.0"]}
+    own_figures = (
+        r"against the build.s own rounded export: top-1 1.0, cosine [\d.]+, perplexity \+0.00%"
+    )
+    with pytest.raises(NpuforgeError, match=own_figures):
+        base.check_gate("RK3588", "w8a8", failed, "try fp16")
     with pytest.raises(NpuforgeError, match="give one per export"):
         request([tmp_path / "plain", tmp_path / "rounded"])

@@ -602,6 +602,16 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
         where += f" and {len(misses) - MISSES_NAMED} more"
     if misses:
         where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets"
+    own = record.get("against_export")
+    if own:
+        # Rounded at export: how far the binary is from its own graphs tells the toolkit's
+        # share of the loss from the rounding's.
+        own_ppl = (own.get("perplexity") or {}).get("delta")
+        where += (
+            f"; against the build's own rounded export: top-1 {own.get('top1_agreement')}, "
+            f"cosine {own.get('cosine')}"
+            + (f", perplexity {own_ppl:+.2%}" if own_ppl is not None else "")
+        )
     raise NpuforgeError(
         f"{target} {precision}: the simulator check over {record['positions']} positions of "
         f"held-out text failed ({'; '.join(failures + passed)}{where}) against "
