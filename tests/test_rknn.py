@@ -259,6 +259,7 @@ def test_layer_error_table_is_parsed_and_summarised():
     }
     assert next(iter(summary["by_kind"])) == "/layers.N/mlp/down_proj/MatMul_output_0_mm"
     assert summary["entire_cosine_after_layer"] == [[0, 0.97], [1, 0.89]]
+    assert summary["entire_cosine_at_chunk_end"] == [0.97, 0.89]
     lines = layer_error.report_lines(summary, "rknn-toolkit2 accuracy_analysis")
     assert "held-out steps [8, 24]" in lines[0] and lines[-1].endswith("0:0.9700 1:0.8900")
     assert layer_error.sample_steps(32, 2) == [8, 24]

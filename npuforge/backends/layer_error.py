@@ -44,6 +44,8 @@ def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
         "worst_layers": worst,
         "by_kind": dict(sorted(kinds.items(), key=lambda item: item[1]["worst_single"])),
         "entire_cosine_after_layer": [[i, after_layer[i]] for i in sorted(after_layer)],
+        # Each chunk is fed fp32 inputs: its last row is what that chunk alone loses.
+        "entire_cosine_at_chunk_end": [table[-1]["entire_cosine"] for table in tables if table],
     }
 
 
@@ -63,6 +65,10 @@ def report_lines(summary: dict, tool: str) -> list[str]:
         lines.append(
             f"  kind: {name}: worst single {entry['worst_single']:.5f} over {entry['layers']}"
         )
+    ends = summary["entire_cosine_at_chunk_end"]
+    lines.append(
+        "  entire cosine at each chunk's last layer: " + " ".join(f"{c:.5f}" for c in ends)
+    )
     after = summary["entire_cosine_after_layer"]
     if after:
         lines.append(
