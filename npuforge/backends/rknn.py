@@ -91,7 +91,7 @@ class Options(base.CommonOptions):
     auto_hybrid: bool = False
     auto_hybrid_cos_thresh: float | None = None
     # Held-out steps of the toolkit's per-layer error analysis (accuracy_analysis) after
-    # the build, worst of them in the log and compile.json; 0: none (it adds minutes).
+    # the build, worst of them in the log and compile.json; 0: none.
     layer_error: int = 0
 
     def __post_init__(self):
