@@ -18,6 +18,7 @@ callback receives ``(chunk_index, feeds)`` before each graph runs; calibration
 uses it to record real inputs.
 """
 
+import tempfile
 from pathlib import Path
 
 from npuforge.errors import NpuforgeError
@@ -225,8 +226,11 @@ class Fp16EmulationSession:
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
 
-        model = onnx.load(str(onnx_path))
+        # Shapes inferred before the weights load (a graph past 2 GB cannot be serialised
+        # for inference); the weights then come from the graph's own external data.
+        model = onnx.load(str(onnx_path), load_external_data=False)
         model = onnx.shape_inference.infer_shapes(model)
+        onnx.load_external_data_for_model(model, str(Path(onnx_path).parent))
         graph = model.graph
         half, full = TensorProto.FLOAT16, TensorProto.FLOAT
         fp16_values = {
@@ -274,9 +278,18 @@ class Fp16EmulationSession:
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        # Widened to fp32 the weights double: saved with external data in a scratch
+        # directory (a proto past 2 GB cannot be serialised), the session loads from there.
+        with tempfile.TemporaryDirectory(prefix="npuforge-fp16-emulation-") as scratch:
+            path = Path(scratch) / "graph.onnx"
+            onnx.save_model(
+                model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                location="graph.onnx.data", size_threshold=1024,
+            )  # fmt: skip
+            del model, graph
+            self.session = ort.InferenceSession(
+                str(path), options, providers=["CPUExecutionProvider"]
+            )
 
     def run(self, output_names, feeds):
         import numpy as np
