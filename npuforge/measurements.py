@@ -410,6 +410,20 @@ def twin_status(rows, twin: str, target: str, precision: str) -> str:
     return "**fails** on its permuted twin (passes on these weights only): not built"
 
 
+def twin_figures(rows, twin: str, target: str, precision: str) -> str:
+    """What a 4-bit build exact on a quantized source did on the permuted ``twin``."""
+    measured = _vendor_rows(rows, twin, target, precision)
+    if not measured:
+        return "its permuted twin not measured"
+    if any(r["figures"].get("passed") for r in measured):
+        return "passes on its permuted twin too"
+    best = _best_failure(measured)["figures"]
+    return (
+        f"**fails** on its permuted twin (best: top-1 {_number(best.get('top1'))}, "
+        f"perplexity {percent(best.get('perplexity_delta'))})"
+    )
+
+
 def support_matrix(rows, targets: dict, model: str, twin: str | None = None) -> str:
     """SoC x precision x status on ``model``: every registry target but the reference, in
     registry order; targets never measured on the model share one line per backend. With
@@ -430,6 +444,9 @@ def support_matrix(rows, targets: dict, model: str, twin: str | None = None) -> 
             status, row = pair_status(rows, model, target, precision)
             if twin and status == "passes" and precision not in FLOAT_PRECISIONS:
                 status = twin_status(rows, twin, target, precision)
+            elif twin and row and row.get("exact_on_source"):
+                # Exact on the GGUF's blocks: built for this model, the twin's figure shown.
+                status += "; " + twin_figures(rows, twin, target, precision)
             figures = row["figures"] if row else {}
             measured = f"{row['date']}, {figures.get('positions')} positions" if row else "–"
             body.append(

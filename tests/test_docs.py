@@ -90,10 +90,19 @@ def test_support_matrix_states_come_from_the_data():
     twin = "smollm2-135m-permuted"
     assert status("SM8650", "a16w8")[0] == "passes"
     assert measurements.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
+    # A 4-bit build exact on the GGUF's blocks is built for this model whatever the twin
+    # did (issue 41: the lever is a real feature for GGUF inputs); the matrix shows both.
+    assert status("BM1688", "w4f16")[0].startswith("passes, 4-bit exact by construction")
+    matrix = measurements.support_matrix(data["builds"], data["targets"], "smollm2-135m", twin)
+    w4f16 = next(
+        line for line in matrix.splitlines() if line.startswith("| BM1688 (tpumlir) | w4f16")
+    )
+    assert "**fails** on its permuted twin (best: top-1 0.75, perplexity +12.8 %)" in w4f16
     for target, precisions in model["precisions"].items():
         for precision in data["targets"][target]["precisions"]:
-            passes = status(target, precision)[0].startswith("passes")
-            if passes and precision not in measurements.FLOAT_PRECISIONS:
+            text = status(target, precision)[0]
+            passes = text.startswith("passes")
+            if text == "passes" and precision not in measurements.FLOAT_PRECISIONS:
                 on_twin = measurements.twin_status(data["builds"], twin, target, precision)
                 passes = not on_twin.startswith("**fails")
             assert passes == (precision in precisions), (target, precision)
