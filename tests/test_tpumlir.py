@@ -1426,6 +1426,11 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
         "steps": steps,
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
+
+    def files(net):
+        return {p.name for p in (tmp_path / net).rglob("*") if p.is_file()}
+
+    inputs = {net: files(net) for net in nets}
     ran = subprocess.run(
         [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
         capture_output=True,
@@ -1433,6 +1438,10 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
         timeout=600,
     )
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    # A passed net keeps its inputs and its bmodel, none of what model_deploy made on the
+    # way (its TPU MLIR, weight files, the compiler's directory).
+    for net, bmodel in zip(nets, bmodels, strict=True):
+        assert files(net) == inputs[net] | {bmodel.name}, net
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["versions"]["tpu_mlir"]
     for step in result["steps"][:2]:
