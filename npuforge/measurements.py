@@ -399,25 +399,35 @@ def pair_status(rows, model, target, precision) -> tuple[str, dict | None]:
 FLOAT_PRECISIONS = ("fp32", "fp16", "f16", "bf16")
 
 
+def _twin_result(rows, twin: str, target: str, precision: str):
+    """None (the twin not measured), True (it passes) or its best failing row."""
+    measured = _vendor_rows(rows, twin, target, precision)
+    if not measured:
+        return None
+    if any(r["figures"].get("passed") for r in measured):
+        return True
+    return _best_failure(measured) or measured[-1]
+
+
 def twin_status(rows, twin: str, target: str, precision: str) -> str:
     """What an integer precision that passes on a model did on its permuted ``twin``
     (the same function off a quantized source's grid): a pass counts only on both."""
-    measured = _vendor_rows(rows, twin, target, precision)
-    if not measured:
+    result = _twin_result(rows, twin, target, precision)
+    if result is None:
         return "passes; its permuted twin not measured"
-    if any(r["figures"].get("passed") for r in measured):
+    if result is True:
         return "passes, on its permuted twin too"
     return "**fails** on its permuted twin (passes on these weights only): not built"
 
 
 def twin_figures(rows, twin: str, target: str, precision: str) -> str:
     """What a 4-bit build exact on a quantized source did on the permuted ``twin``."""
-    measured = _vendor_rows(rows, twin, target, precision)
-    if not measured:
+    result = _twin_result(rows, twin, target, precision)
+    if result is None:
         return "its permuted twin not measured"
-    if any(r["figures"].get("passed") for r in measured):
+    if result is True:
         return "passes on its permuted twin too"
-    best = _best_failure(measured)["figures"]
+    best = result["figures"]
     return (
         f"**fails** on its permuted twin (best: top-1 {_number(best.get('top1'))}, "
         f"perplexity {percent(best.get('perplexity_delta'))})"

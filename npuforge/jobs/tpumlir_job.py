@@ -160,15 +160,6 @@ def step_chains(steps: list) -> tuple[list, list]:
     return list(chains.values()), tail
 
 
-def _files_under(directory) -> set:
-    """Absolute paths of the files under ``directory`` (none if it is not there yet)."""
-    return {
-        os.path.abspath(os.path.join(root, name))
-        for root, _, files in os.walk(directory)
-        for name in files
-    }
-
-
 class _Steps:
     """Runs the spec's steps, the nets' chains side by side up to ``parallel`` at once.
 
@@ -193,17 +184,21 @@ class _Steps:
             self.store = FinishedChunks(self.finished["dir"])
 
     def run_chain(self, indices: list) -> None:
-        if self.reuse_chain(indices):
+        if not indices or self.reuse_chain(indices):
             return
-        if not indices:
-            return
-        inputs = _files_under(self.spec["steps"][indices[0]]["cwd"])
+        from finished_chunks import files_in
+
+        inputs = {os.path.abspath(path) for path in files_in(self.spec["steps"][indices[0]]["cwd"])}
         for index in indices:
             if self.failure is not None:
                 return
             self.run_step(index, self.spec["steps"][index])
-        self.prune_chain(indices, inputs)
-        self.keep_chain(indices)
+        if self.chain_passed(indices):
+            self.prune_chain(indices, inputs)
+            self.keep_chain(indices)
+
+    def chain_passed(self, indices: list) -> bool:
+        return all(self.records.get(index, {}).get("passed") for index in indices)
 
     def prune_chain(self, indices: list, inputs: set) -> None:
         """A net's passed chain keeps its inputs and its last step's outputs (the bmodel
@@ -212,8 +207,7 @@ class _Steps:
         for a 280M-parameter net), and every net's stayed until the combine: a 1.5B
         model's build ran out of 37 GB of disk."""
         first, last = self.spec["steps"][indices[0]], self.spec["steps"][indices[-1]]
-        records = [self.records.get(index) for index in indices]
-        if first.get("graph") is None or not all(r and r["passed"] for r in records):
+        if first.get("graph") is None:
             return
         # Only a directory of the net's own: no other step, nor the logs, live under it.
         cwd = os.path.abspath(last["cwd"])
@@ -256,8 +250,8 @@ class _Steps:
         return True
 
     def keep_chain(self, indices: list) -> None:
-        steps = [self.records.get(index) for index in indices]
-        if not self.finished or not steps or not all(step and step["passed"] for step in steps):
+        steps = [self.records[index] for index in indices]
+        if not self.finished:
             return
         net = steps[0]["graph"]
         key, root = self.finished["keys"].get(net), self.finished["root"]
