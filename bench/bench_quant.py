@@ -294,7 +294,7 @@ LEVER_SETTINGS = {
 
 def record(path, results, models, argv) -> list[str]:
     """The table's rows as bench data rows (``npuforge.measurements``)."""
-    from npuforge import measurements
+    from npuforge import docs_tables, measurements
     from npuforge.release import git_provenance
 
     git = git_provenance()
@@ -306,7 +306,7 @@ def record(path, results, models, argv) -> list[str]:
             line = next(x for x in results if x["model"] == model and x["row"] == row)
             label = names.get(model, model)
             figures[f"{label} top-1"] = round(line["top1_agreement"], 3)
-            figures[f"{label} perplexity"] = measurements.percent(line["perplexity"]["delta"])
+            figures[f"{label} perplexity"] = docs_tables.percent(line["perplexity"]["delta"])
         name, _, lever = row.partition(" ")
         setting = "fp32, rotated (exactness)"
         if name in GRID_SETTINGS:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import REPO, copy_workflow, script_env
 
-from npuforge import measurements
+from npuforge import docs_tables, measurements
 from npuforge.errors import NpuforgeError
 
 README = REPO / "README.md"
@@ -30,9 +30,9 @@ def test_readme_is_read_in_five_minutes():
 
 
 def test_generated_tables_match_their_data():
-    pages = {str(p.relative_to(REPO)) for p in measurements.pages(REPO)}
+    pages = {str(p.relative_to(REPO)) for p in docs_tables.pages(REPO)}
     assert EXPECTED_PAGES <= pages
-    stale = measurements.stale_pages(REPO)
+    stale = docs_tables.stale_pages(REPO)
     assert not stale, (
         f"{', '.join(str(p.relative_to(REPO)) for p in stale)}: generated tables differ from "
         f"docs/data; run python workflow_scripts/docs_data.py"
@@ -53,7 +53,7 @@ def test_a_figure_edited_in_the_data_makes_its_pages_stale(tmp_path):
     (row,) = [r for r in rows if r["id"] == "sm8650-a16w8-tanh-silu-64"]
     row["figures"]["top1"] = 0.9531
     measurements.write_rows(data, rows)
-    stale = {str(p.relative_to(root)) for p in measurements.stale_pages(root)}
+    stale = {str(p.relative_to(root)) for p in docs_tables.stale_pages(root)}
     assert stale == {"README.md", "docs/backends/qnn.md"}
     check = subprocess.run(
         [sys.executable, str(REPO / "workflow_scripts" / "docs_data.py"), "--root", root,
@@ -62,17 +62,17 @@ def test_a_figure_edited_in_the_data_makes_its_pages_stale(tmp_path):
     )  # fmt: skip
     assert check.returncode == 2
     assert "generated tables differ from docs/data in README.md" in check.stderr
-    changed = measurements.regenerate(root)
+    changed = docs_tables.regenerate(root)
     assert {str(p.relative_to(root)) for p in changed} == stale
     assert "| 0.9531 |" in (root / "README.md").read_text()
-    assert measurements.stale_pages(root) == []
+    assert docs_tables.stale_pages(root) == []
 
 
 def test_support_matrix_states_come_from_the_data():
-    data = measurements.load_data(REPO)
+    data = docs_tables.load_data(REPO)
 
     def status(target, precision):
-        return measurements.pair_status(data["builds"], "smollm2-135m", target, precision)
+        return docs_tables.pair_status(data["builds"], "smollm2-135m", target, precision)
 
     passing = ("SM8650 fp16", "SM8650 a16w8", "RK3588 fp16", "RK3588 w16a16i_dfp", "BM1684X f16")
     for target, precision in (pair.split() for pair in passing):
@@ -89,11 +89,11 @@ def test_support_matrix_states_come_from_the_data():
     model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["smollm2-135m"]
     twin = "smollm2-135m-permuted"
     assert status("SM8650", "a16w8")[0] == "passes"
-    assert measurements.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
+    assert docs_tables.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
     # A 4-bit build exact on the GGUF's blocks is built for this model whatever the twin
     # did (issue 41: the lever is a real feature for GGUF inputs); the matrix shows both.
     assert status("BM1688", "w4f16")[0].startswith("passes, 4-bit exact by construction")
-    matrix = measurements.support_matrix(data["builds"], data["targets"], "smollm2-135m", twin)
+    matrix = docs_tables.support_matrix(data["builds"], data["targets"], "smollm2-135m", twin)
     w4f16 = next(
         line for line in matrix.splitlines() if line.startswith("| BM1688 (tpumlir) | w4f16")
     )
@@ -102,8 +102,8 @@ def test_support_matrix_states_come_from_the_data():
         for precision in data["targets"][target]["precisions"]:
             text = status(target, precision)[0]
             passes = text.startswith("passes")
-            if text == "passes" and precision not in measurements.FLOAT_PRECISIONS:
-                on_twin = measurements.twin_status(data["builds"], twin, target, precision)
+            if text == "passes" and precision not in docs_tables.FLOAT_PRECISIONS:
+                on_twin = docs_tables.twin_status(data["builds"], twin, target, precision)
                 passes = not on_twin.startswith("**fails")
             assert passes == (precision in precisions), (target, precision)
 
@@ -186,8 +186,8 @@ def test_malformed_rows_are_refused_in_one_line():
     with pytest.raises(NpuforgeError, match="id used twice"):
         measurements.check_rows([row("a"), row("a", status="superseded")])
     with pytest.raises(NpuforgeError, match="no data rows of series 'nope'"):
-        measurements.generated_text(
-            "<!-- table:series name=nope -->\n<!-- /table -->", measurements.load_data(REPO)
+        docs_tables.generated_text(
+            "<!-- table:series name=nope -->\n<!-- /table -->", docs_tables.load_data(REPO)
         )
 
 
@@ -197,7 +197,7 @@ def test_malformed_rows_are_refused_in_one_line():
      (21556.11, "+2,155,611 %"), (None, "–")],
 )  # fmt: skip
 def test_perplexity_cells(delta, text):
-    assert measurements.percent(delta) == text
+    assert docs_tables.percent(delta) == text
 
 
 # --------------------------------------------------------------------------- README links
@@ -293,10 +293,10 @@ def test_readme_snakemake_command_plans(command, readme_workflow):
 def test_a_series_table_gives_each_rows_command_when_asked():
     rows = [row("a", series="s", command="snakemake --config model=m"), row("b", series="s")]
     data = {"builds": rows}
-    plain = measurements.generated_text("<!-- table:series name=s -->\n<!-- /table -->", data)
+    plain = docs_tables.generated_text("<!-- table:series name=s -->\n<!-- /table -->", data)
     assert "command" not in plain.splitlines()[1]
     marked = "<!-- table:series name=s commands=yes -->\n<!-- /table -->"
-    lines = measurements.generated_text(marked, data).splitlines()
+    lines = docs_tables.generated_text(marked, data).splitlines()
     assert lines[1].endswith("| command |")
     assert lines[3].endswith("| `snakemake --config model=m` |") and lines[4].endswith("| `c` |")
 
@@ -315,11 +315,11 @@ def test_an_integer_pass_counts_only_if_the_permuted_twin_passes_too():
     targets = {
         "T": {"backend": "qnn", "precisions": dict.fromkeys(["a16w8", "w16", "w8f16", "fp16"])}
     }
-    table = measurements.support_matrix(rows, targets, "m", twin="twin").splitlines()
+    table = docs_tables.support_matrix(rows, targets, "m", twin="twin").splitlines()
     status = {line.split(" | ")[1]: line.split(" | ")[2] for line in table[2:]}
     assert status["a16w8"].startswith("**fails** on its permuted twin")
     assert status["w16"] == "passes, on its permuted twin too"
     assert status["w8f16"] == "passes; its permuted twin not measured"
     assert status["fp16"] == "passes"
-    plain = measurements.support_matrix(rows, targets, "m").splitlines()
+    plain = docs_tables.support_matrix(rows, targets, "m").splitlines()
     assert all(" | passes | " in line for line in plain[2:])

@@ -12,7 +12,7 @@ import pytest
 from chromium import Page, unavailable_reason
 from conftest import REPO, copy_workflow, run_script, snakemake
 
-from npuforge import measurements
+from npuforge import docs_tables, measurements
 from npuforge.fileio import sha256_file
 from npuforge.release_index import read_benchmark
 
@@ -113,7 +113,7 @@ def test_docs_target_records_each_bundle_once(built):
     assert "--config model=rwkv7-demo target=onnx precision=fp32" in row["command"]
     recorded = json.loads((built / "results" / "docs" / "recorded.json").read_text())
     assert recorded["rows_added"] == [row["id"]]
-    assert measurements.stale_pages(built) == []
+    assert docs_tables.stale_pages(built) == []
     # The same index again adds nothing.
     index = built / "results" / "release" / "index.json"
     result = run_script("docs_data.py", "--root", built, "--index", index)

@@ -22,12 +22,12 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="only say which pages are stale")
     args = parser.parse_args(argv)
 
-    from npuforge import measurements
+    from npuforge import docs_tables, measurements
     from npuforge.errors import NpuforgeError
     from npuforge.fileio import atomic_path
 
     if args.check:
-        stale = measurements.stale_pages(args.root)
+        stale = docs_tables.stale_pages(args.root)
         if stale:
             names = ", ".join(str(p.relative_to(args.root)) for p in stale)
             raise NpuforgeError(
@@ -38,8 +38,8 @@ def main(argv=None):
     added = []
     if args.index:
         added = measurements.record_index(args.index, args.root / measurements.BUILDS)
-    changed = measurements.regenerate(args.root)
-    summary = measurements.summary(added, changed, args.root)
+    changed = docs_tables.regenerate(args.root)
+    summary = docs_tables.summary(added, changed, args.root)
     print(summary)
     if args.out:
         with atomic_path(args.out) as tmp:
