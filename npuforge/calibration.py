@@ -32,10 +32,13 @@ from npuforge import progress
 from npuforge.calibration_formats import LAYOUT, write_chunk_samples
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
+from npuforge.host_cpu import instruction_set
 from npuforge.texts import heldout_tokens, read_documents, text_digest, tokenize_documents
 
 # Held-out tokens recorded in calibration.json for verification runs.
 VERIFY_TOKENS = 128
+# The instruction set the samples were computed on (npuforge.host_cpu).
+HOST_RECORD = "host.json"
 
 
 # Input roles every runner feeds the same way; any other role is position-dependent.
@@ -229,6 +232,9 @@ def make_calibration_samples(
             "chunks": chunks,
         }
         write_json(tmp / "calibration.json", record)
+        # Beside calibration.json, not in it: builds whose bytes do not follow the
+        # samples' last bits (QNN snaps its ranges) keep one record across hosts.
+        write_json(tmp / HOST_RECORD, instruction_set())
     return record
 
 

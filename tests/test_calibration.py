@@ -66,6 +66,7 @@ def test_samples_stored_once_and_converted_per_vendor(export_dir, tmp_path):
         write_qnn_input_list,
         write_rknn_dataset,
     )
+    from npuforge.host_cpu import instruction_set
 
     first = tmp_path / "a"
     record = make_calibration_samples(export_dir, first, samples=4, steps=12, seed=3)
@@ -75,7 +76,9 @@ def test_samples_stored_once_and_converted_per_vendor(export_dir, tmp_path):
     # One .npz per chunk and sample, nothing else: no per-vendor copies.
     stored = sorted(tree_digest(first))
     expected = [f"chunk{i}/sample{j}.npz" for i in range(2) for j in range(4)]
-    assert stored == sorted(["calibration.json", *expected]) and record["layout"] == LAYOUT
+    assert stored == sorted(["calibration.json", "host.json", *expected])
+    assert record["layout"] == LAYOUT and "host" not in record
+    assert json.loads((first / "host.json").read_text()) == instruction_set()
 
     meta = json.loads((export_dir / "export.json").read_text())
     assert len(record["chunks"]) == len(meta["graphs"]) == 2

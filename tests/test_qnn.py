@@ -812,6 +812,8 @@ def test_a16w8_decode_and_prefill_calibrated_by_their_own_runs(qnn_stamp, worksp
     assert figures["calls"] == {"decode": 28, "prefill": 1}
     assert sorted(manifest["options"]["calibration"]) == ["decode", "prefill"]
     assert manifest["options"]["calibration"]["prefill"]["tokens_per_call"] == 4
+    # Its ranges are snapped (bytes hold across instruction sets): no host is recorded.
+    assert "hosts" not in manifest["options"]["calibration"]["prefill"]
     for chunk in manifest["options"]["chunks"]:
         assert chunk["weight_sharing"]["one_context"]
         for variant in ("decode", "prefill"):

@@ -491,6 +491,7 @@ def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
 @pytest.mark.toolchain
 def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
     from npuforge.calibration import make_calibration_samples
+    from npuforge.host_cpu import instruction_set
 
     calibration = tmp_path / "calibration"
     make_calibration_samples(export_dir, calibration, samples=8, steps=32, seed=0)
@@ -505,6 +506,9 @@ def test_w8a8_with_real_run_calibration(export_dir, toolchain, tmp_path):
     # Sqrt/Div of the k normalisation would fall back in int8 without the rewrite.
     assert record["placement"]["cpu_fallback"] == 0
     assert record["options"]["calibration"]["zero_state"] is False
+    # The toolkit keeps the ranges it measures: the record names both hosts' instruction set.
+    host = instruction_set()
+    assert record["options"]["calibration"]["hosts"] == {"samples": host, "ranges": host}
     assert record["options"]["quantized_dtype"] == "w8a8"
     if figures["cosine"] < 0.999:
         pytest.xfail(

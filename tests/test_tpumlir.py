@@ -597,6 +597,23 @@ def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_
             with np.load(path) as data:
                 assert data["tokens"].shape == (1, tokens)
                 assert np.abs(data["state_0_wkv"]).max() > 0
+    # The record names the samples per graph variant and the instruction sets the samples
+    # and run_calibration's thresholds were computed on (they follow the host's CPU).
+    from npuforge.host_cpu import instruction_set
+
+    Path(spec["bmodel"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(spec["bmodel"]).write_bytes(b"bmodel")
+    result = {"versions": {}, "steps": []}
+    options = _options("bm1684x")
+    record = tpumlir.compile_record(spec, result, {}, options, None, calibrations)
+    recorded = record["options"]["calibration"]
+    assert sorted(recorded) == ["decode", "prefill"]
+    assert recorded["prefill"]["tokens_per_call"] == PREFILL_TOKENS
+    for variant in ("decode", "prefill"):
+        assert recorded[variant]["hosts"] == {
+            "samples": instruction_set(),
+            "ranges": instruction_set(),
+        }
 
 
 def test_exports_must_be_one_decode_and_one_prefill(exports):

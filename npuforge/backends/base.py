@@ -673,12 +673,18 @@ def run_job(request: CompileRequest, job_script, spec_path, *, read_only, writab
     )
 
 
-def calibration_summary(directory) -> dict:
-    """Which samples quantized a graph: counts and the sha256 of calibration.json."""
-    from npuforge.calibration import read_calibration
-    from npuforge.fileio import sha256_file
+def calibration_summary(directory, hosts=False) -> dict:
+    """Which samples quantized a graph: counts and the sha256 of calibration.json.
+
+    ``hosts``: for a toolkit that keeps the ranges it measures (its bytes follow the
+    samples' last bits), the instruction sets the samples and the ranges were computed on.
+    """
+    from npuforge.calibration import HOST_RECORD, read_calibration
+    from npuforge.fileio import read_json, sha256_file
+    from npuforge.host_cpu import instruction_set
 
     record = read_calibration(directory)
+    host_file = Path(directory) / HOST_RECORD
     return {
         "samples": record.get("samples"),
         "steps": record.get("steps"),
@@ -686,4 +692,15 @@ def calibration_summary(directory) -> dict:
         "zero_state": bool(record.get("zero_state", False)),
         "tokens_per_call": record.get("tokens_per_call", 1),
         "sha256": sha256_file(Path(directory) / "calibration.json"),
+        **(
+            {
+                "hosts": {
+                    # None: samples made before npuforge recorded their host.
+                    "samples": read_json(host_file) if host_file.is_file() else None,
+                    "ranges": instruction_set(),
+                }
+            }
+            if hosts
+            else {}
+        ),
     }

@@ -449,7 +449,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "fixed_clock": clocks.pop() if len(clocks) == 1 else None,
                 # hard-linked: the bytes do not depend on where the toolchain lives.
                 "site_packages": ",".join(sorted(site_packages)),
-                "calibration": base.calibration_summary(calibration_dir) if quantized else None,
+                "calibration": (
+                    base.calibration_summary(calibration_dir, hosts=True) if quantized else None
+                ),
             },
         }
         write_json(staging / "compile.json", record)

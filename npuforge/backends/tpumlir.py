@@ -484,8 +484,9 @@ def tpumlir_checks(spec: dict, result: dict) -> dict:
     }
 
 
-def compile_record(spec, result, stamp, options, verification) -> dict:
+def compile_record(spec, result, stamp, options, verification, calibrations=()) -> dict:
     """compile.json (docs/interfaces.md) from the spec and the job's result."""
+    from npuforge.calibration import calibrations_by_variant
     from npuforge.fileio import sha256_file
 
     out_dir = Path(spec["out_dir"])
@@ -523,6 +524,15 @@ def compile_record(spec, result, stamp, options, verification) -> dict:
             # The group W4F16 ran with (the option may leave it to the export).
             "q_group_size": spec["q_group_size"],
             "stages": [step["name"] for step in spec["steps"]],
+            # run_calibration measures and keeps its INT8 thresholds on the host's CPU.
+            "calibration": (
+                {
+                    variant: base.calibration_summary(directory, hosts=True)
+                    for variant, directory in calibrations_by_variant(list(calibrations)).items()
+                }
+                if spec["precision"] in CALIBRATED
+                else None
+            ),
         },
     }
 
@@ -602,7 +612,9 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
                 "combined bmodel's nets",
             )  # fmt: skip
-            record = compile_record(spec, result, stamp, options, verification)
+            record = compile_record(
+                spec, result, stamp, options, verification, request.calibrations
+            )
             record["artifacts"][0]["build_time"] = pinned
             shutil.rmtree(work)
             write_json(tmp / "compile.json", record)
