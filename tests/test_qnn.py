@@ -780,7 +780,23 @@ def test_each_soc_gets_its_own_verified_binary(sm8650_fp16, qnn_stamp, workspace
 
 @pytest.mark.toolchain
 def test_a16w8_qdq_compile_is_smaller_and_verified(sm8650_fp16, qnn_stamp, workspace):
-    out, manifest = _compile(workspace, qnn_stamp, "SM8650-a16w8", SM8650, "a16w8")
+    out, manifest = _compile(
+        workspace, qnn_stamp, "SM8650-a16w8", replace(SM8650, layer_error=2), "a16w8"
+    )
+    # The analysis runs after the Q/DQ model is written and the compiling process never
+    # sees it: the same binaries without it.
+    _, plain = _compile(workspace, qnn_stamp, "SM8650-a16w8plain", SM8650, "a16w8")
+    assert "layer_error" not in plain
+    assert [a["sha256"] for a in plain["artifacts"]] == [a["sha256"] for a in manifest["artifacts"]]
+    # The per-layer error of each chunk's Q/DQ model: int8 weights lose something in
+    # every weighted product, and the error grows along the chunk.
+    errors = manifest["layer_error"]
+    assert errors["held_out_steps"] == [8, 24] and len(errors["chunks"]) == 2
+    for table in errors["chunks"]:
+        products = [row for row in table if row["op"] == "MatMul" and row["single_cosine"]]
+        assert products and all(0.9 < row["single_cosine"] < 1.0 for row in products)
+        assert min(row["entire_cosine"] for row in table) < 1.0
+    assert "layer_error" not in manifest["options"]["chunks"][0]["quantization"]["decode"]
     figures = manifest["verification"]
     assert figures["positions"] == 32 and figures["nan_inf"] == 0 and figures["cosine"] >= 0.999
     chunk = manifest["options"]["chunks"][1]["quantization"]["decode"]

@@ -1,14 +1,25 @@
 """Per-layer quantization error from a vendor's analysis tool, summarised for a build log.
 
 A table is a list of rows {op, tensor, entire_cosine, single_cosine, ...} in graph
-order: ``single`` is the layer alone fed fp32 inputs (its own quantization error),
-``entire`` the layer with every earlier one quantized too (the error so far).
+order: ``single`` is the layer alone fed fp32 inputs (its own quantization error; None
+where the tool could not isolate it), ``entire`` the layer with every earlier one
+quantized too (the error so far).
 """
 
 import re
 
+from npuforge.errors import NpuforgeError
+
 _LAYER = re.compile(r"layers\.(\d+)[/._]")
 WORST_ROWS = 8
+
+
+def check_steps(value) -> None:
+    """The ``layer_error`` target option: a number of held-out steps (0: none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise NpuforgeError(
+            f"option layer_error must be a number of held-out steps (0: none), got {value!r}"
+        )
 
 
 def sample_steps(steps: int, samples: int) -> list[int]:
@@ -28,8 +39,9 @@ def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
     ``tables``: one table per chunk, in chunk order.
     """
     rows = [{"chunk": i, **row} for i, table in enumerate(tables) for row in table]
+    isolated = [row for row in rows if row["single_cosine"] is not None]
     kinds = {}
-    for row in rows:
+    for row in isolated:
         entry = kinds.setdefault(kind(row["tensor"]), {"layers": 0, "worst_single": 1.0})
         entry["layers"] += 1
         entry["worst_single"] = min(entry["worst_single"], row["single_cosine"])
@@ -38,7 +50,7 @@ def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
         match = _LAYER.search(row["tensor"])
         if match:
             after_layer[int(match.group(1))] = row["entire_cosine"]  # the layer's last row
-    worst = sorted(rows, key=lambda row: row["single_cosine"])[:WORST_ROWS]
+    worst = sorted(isolated, key=lambda row: row["single_cosine"])[:WORST_ROWS]
     return {
         "held_out_steps": steps,
         "worst_layers": worst,

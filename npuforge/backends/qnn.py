@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from npuforge.backends import base, qnn_record
+from npuforge.backends import base, layer_error, qnn_record
 from npuforge.backends.qnn_spec import QUANTIZED, RANGE_MARGIN, build_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
@@ -116,6 +116,13 @@ class Options(base.CommonOptions):
     route: str = "ep"
     # The QNN SDK for the sdk route (else $QNN_SDK_ROOT).
     qnn_sdk_root: str | None = None
+    # a16w8/a16w4: held-out steps of a per-layer error analysis of each chunk's Q/DQ
+    # model against its fp32 graph (onnxruntime CPU), worst of them in the log and
+    # compile.json; 0: none. The binaries do not change.
+    layer_error: int = 0
+
+    def __post_init__(self):
+        layer_error.check_steps(self.layer_error)
 
 
 def check_target(target_id: str, options: Options, precisions) -> None:
@@ -250,8 +257,10 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             )
             ids = text["ids"]
             calls = base.write_call_feeds(exports, schedule, ids, work_dir)
-            reference = base.reference_logits(exports, schedule, ids)
+            analysed = LayerErrorInputs(schedule, options, precision, work_dir)
+            reference = base.reference_logits(exports, schedule, ids, analysed.capture)
             spec = build_spec(exports, calibrations, options, precision, staging, work_dir, calls)
+            analysed.add_to(spec)
             read_only = [e.dir for e in exports.values()]
             read_only += [Path(d).resolve() for d in calibrations.values()]
             jobs = ChunkJobs(request, spec, read_only, staging.resolve(), work_dir, stamp)
@@ -268,6 +277,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             record = _record(
                 request, exports, stamp, spec, result, staging, (schedule, text, reference)
             )
+            record.update(layer_error_record(result, analysed.steps))
             write_json(staging / "compile.json", record)
             fix = (
                 "a trained Llama needs the export's fp16_fixes and a kv_prefix (docs/models.md)"
@@ -282,6 +292,54 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         shutil.rmtree(work_dir, ignore_errors=True)
     jobs.finished.clear()
     return record
+
+
+def layer_error_record(result, steps) -> dict:
+    """``{"layer_error": summary and each chunk's table}`` when the job analysed the
+    chunks' decode graphs (option ``layer_error``), its worst rows in the log; else {}."""
+    tables = [
+        (chunk.get("quantization", {}).get("decode") or {}).get("layer_error")
+        for chunk in result["chunks"]
+    ]
+    if not any(tables):
+        return {}
+    tables = [table["layers"] if table else [] for table in tables]
+    summary = layer_error.summarize(tables, steps)
+    tool = "Q/DQ model on the onnxruntime CPU, graph optimisations off"
+    for line in layer_error.report_lines(summary, tool):
+        say(line)
+    return {"layer_error": {**summary, "chunks": tables}}
+
+
+class LayerErrorInputs:
+    """The fp32 reference's inputs of each chunk's decode graph at the held-out steps the
+    ``layer_error`` option analyses, one .npz per step, named in the chunk's spec."""
+
+    def __init__(self, schedule, options, precision, work_dir):
+        decode_calls = sum(call.variant == "decode" for call in schedule)
+        wanted = options.layer_error if precision in QUANTIZED else 0
+        self.steps = layer_error.sample_steps(decode_calls, wanted) if wanted else []
+        self.dir = Path(work_dir) / "layer_error"
+        self.seen, self.files = {}, {}
+
+    def capture(self, variant, index, feeds):
+        if variant != "decode" or not self.steps:
+            return
+        step = self.seen.get(index, 0)
+        self.seen[index] = step + 1
+        if step in self.steps:
+            import numpy as np
+
+            path = self.dir / f"chunk{index}" / f"step{step}.npz"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, **{name: np.asarray(value) for name, value in feeds.items()})
+            self.files.setdefault(index, []).append(str(path.resolve()))
+
+    def add_to(self, spec) -> None:
+        for chunk in spec["chunks"]:
+            for graph in chunk["graphs"]:
+                if graph["variant"] == "decode" and self.files.get(chunk["index"]):
+                    graph["layer_error_inputs"] = self.files[chunk["index"]]
 
 
 class ChunkJobs:
@@ -346,6 +404,7 @@ def chunk_inputs(chunk) -> list[Path]:
         weights = model.with_name(model.name + ".data")
         files += [model, weights] if weights.is_file() else [model]
         files += [Path(p) for sample in graph.get("calibration", []) for p in sample.values()]
+        files += [Path(p) for p in graph.get("layer_error_inputs", [])]
     return files
 
 

@@ -16,6 +16,11 @@ DEVICE_RUNTIME_NOTE = (
 )
 
 
+# A chunk's quantization keys kept out of compile.json's options: paths, and the layer
+# error table (compile.json's own ``layer_error``).
+UNRECORDED = ("qdq_model", "source", "layer_error")
+
+
 def _weights_shared(chunk_result: dict, variants: list[str]) -> dict:
     binaries = chunk_result["binaries"]
     shared = len(variants) > 1 and len(binaries) == 1
@@ -80,7 +85,7 @@ def artifacts_and_notes(result: dict, variants: list[str], staging) -> tuple:
                 "chunk": index,
                 "weight_sharing": _weights_shared(chunk, variants),
                 "quantization": {
-                    variant: {k: v for k, v in info.items() if k not in ("qdq_model", "source")}
+                    variant: {k: v for k, v in info.items() if k not in UNRECORDED}
                     for variant, info in chunk["quantization"].items()
                 },
             }

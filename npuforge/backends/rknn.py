@@ -105,11 +105,7 @@ class Options(base.CommonOptions):
                 f"quantized_algorithm '{self.quantized_algorithm}' is not one of "
                 f"{', '.join(QUANTIZED_ALGORITHMS)}"
             )
-        if not isinstance(self.layer_error, int) or self.layer_error < 0:
-            raise NpuforgeError(
-                f"option layer_error must be a number of held-out steps (0: none), got "
-                f"{self.layer_error!r}"
-            )
+        layer_error.check_steps(self.layer_error)
 
     @property
     def platform(self) -> str:

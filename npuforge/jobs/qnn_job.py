@@ -46,6 +46,9 @@ from qnn_session import (
     simulator_session,
 )
 
+# A JSON file {variant: [.npz per held-out step]} for the quantizing process.
+LAYER_ERROR_ENV = "NPUFORGE_QNN_LAYER_ERROR_INPUTS"
+
 
 def qdq_path(spec: dict, chunk: dict, graph: dict) -> Path:
     return Path(spec["work_dir"]) / f"chunk{chunk['index']}_{graph['variant']}" / "qdq.onnx"
@@ -73,7 +76,37 @@ def quantize_chunk(spec: dict, chunk: dict) -> dict:
         )
         seconds = time.monotonic() - started
         log(f"quantized chunk {chunk['index']} {graph['variant']} in {seconds:.1f} s")
+        analysed = layer_error_inputs(graph["variant"])
+        if analysed:
+            quantization[graph["variant"]]["layer_error"] = layer_error_table(
+                spec, chunk, graph, analysed
+            )
     return quantization
+
+
+def layer_error_inputs(variant: str) -> list:
+    """The held-out steps' input files of this chunk's ``variant`` graph (absolute), as the
+    job passed them to the quantizing process."""
+    listing = os.environ.get(LAYER_ERROR_ENV)
+    return json.loads(Path(listing).read_text()).get(variant, []) if listing else []
+
+
+def layer_error_table(spec: dict, chunk: dict, graph: dict, inputs: list) -> dict:
+    """The Q/DQ model's per-layer error against the fp32 graph on the held-out steps'
+    inputs (qnn_layer_error.py); after the Q/DQ model is written, so it cannot change it."""
+    import numpy as np
+    from qnn_layer_error import analyse
+
+    samples = []
+    for path in inputs:
+        with np.load(path) as data:
+            samples.append({name: data[name] for name in data.files})
+    qdq = qdq_path(spec, chunk, graph)
+    log(f"layer error: chunk {chunk['index']} {graph['variant']}, {len(samples)} held-out steps")
+    started = time.monotonic()
+    rows = analyse(graph["model"], str(qdq), samples, qdq.parent / "layer_error")
+    log(f"layer error: {len(rows)} nodes in {time.monotonic() - started:.1f} s")
+    return {"samples": len(samples), "layers": rows}
 
 
 def compile_chunk(spec: dict, chunk: dict) -> dict:
@@ -160,6 +193,9 @@ def staged_chunk_spec(spec: dict, chunk: dict) -> tuple[dict, dict]:
                 {name: f"cal{k}/{Path(path).name}" for name, path in sample.items()}
                 for sample in samples
             ]
+        # Only the quantizing process reads them (LAYER_ERROR_ENV): the compiling process
+        # sees the same spec with or without the analysis, so its bytes cannot follow it.
+        graph.pop("layer_error_inputs", None)
         graphs.append(graph)
     staged = {k: v for k, v in spec.items() if k not in ("chunks", "verify")}
     staged.update(out_dir="out", work_dir="work", chunks=[{**chunk, "graphs": graphs}])
@@ -187,6 +223,15 @@ def _compile_staged(spec: dict, chunk: dict, job_stage) -> dict:
         if spec["precision"] != "fp16":
             # Its own process on the real clock: quantization logs progress over minutes.
             env = job_stage.fixed_environment(stage, chunk_env({}))
+            analysed = {
+                g["variant"]: [str(Path(p).resolve()) for p in g["layer_error_inputs"]]
+                for g in chunk["graphs"]
+                if g.get("layer_error_inputs")
+            }
+            if analysed:
+                listing = Path(spec["work_dir"]).resolve() / f"chunk{chunk['index']}_analysed.json"
+                listing.write_text(json.dumps(analysed))
+                env[LAYER_ERROR_ENV] = str(listing)
             if job_stage.run_relayed([*command, "--quantize"], env=env, cwd=stage) != 0:
                 raise RuntimeError(f"error: quantizing chunk {chunk['index']} failed (see above)")
             record = Path(stage, "work", f"chunk{chunk['index']}_quantization.json")

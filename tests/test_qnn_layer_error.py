@@ -1,0 +1,103 @@
+"""The QNN job's per-layer error (npuforge/jobs/qnn_layer_error.py) against a numpy
+fake quantization of the same Q/DQ model."""
+
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from conftest import REPO
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(REPO / "npuforge" / "jobs"))
+import qnn_layer_error  # noqa: E402  (a job module: imported from its directory)
+
+
+def _mlp(path, rng):
+    """x -> MatMul -> Relu -> MatMul -> + x: two weighted products and a residual add."""
+    w1 = rng.standard_normal((16, 32)).astype(np.float32)
+    w2 = rng.standard_normal((32, 16)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("MatMul", ["r", "w2"], ["y0"]),
+            helper.make_node("Add", ["y0", "x"], ["y"]),
+        ],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return w1, w2
+
+
+def _fake_quant(value, scale, zero, dtype):
+    info = np.iinfo(dtype)
+    steps = np.clip(np.rint(value / scale) + zero, info.min, info.max)
+    return ((steps - zero) * scale).astype(np.float32)
+
+
+def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    rng = np.random.default_rng(0)
+    float_w1, float_w2 = _mlp(tmp_path / "float.onnx", rng)
+    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(8)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(samples)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    quantize_static(
+        str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), Reader(),
+        quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8, per_channel=True,
+    )  # fmt: skip
+    rows = qnn_layer_error.analyse(
+        str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), samples[:3], tmp_path / "work"
+    )
+    # The quantizer fused the Relu into the first MatMul, whose output took the Relu's
+    # name: compared with nothing. The chunk's output is its DequantizeLinear's.
+    assert [(r["op"], r["tensor"]) for r in rows] == [("MatMul", "y0"), ("Add", "y")]
+    assert rows[1]["single_cosine"] is None
+
+    qdq = onnx.load(tmp_path / "qdq.onnx")
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    by_input = {n.input[0]: n for n in qdq.graph.node}
+
+    def activation(name, value):
+        node = by_input[name]  # its QuantizeLinear
+        zero = inits[node.input[2]]
+        return _fake_quant(value, inits[node.input[1]], zero, zero.dtype)
+
+    def weight(name):
+        [dq] = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and
+                n.input[0].startswith(name + "_")]  # fmt: skip
+        steps, scale, zero = (inits[i] for i in dq.input)
+        return ((steps.astype(np.float32) - zero) * scale).astype(np.float32)
+
+    w1, w2 = weight("w1"), weight("w2")
+    singles, entires = [], []
+    for feeds in samples[:3]:
+        x = feeds["x"]
+        r = np.maximum(x @ float_w1, 0)
+        y0 = r @ float_w2
+        # Alone: fp32 r through its Q/DQ pair, times the dequantized weights.
+        singles.append(qnn_layer_error.cosine(y0, activation("r", r) @ w2))
+        # Whole: x's pair, the first product (its Relu is the pair's clip at 0), r's pair.
+        entires.append(qnn_layer_error.cosine(y0, activation("r", activation("x", x) @ w1) @ w2))
+    assert rows[0]["single_cosine"] == pytest.approx(min(singles), abs=1e-6)
+    assert rows[0]["entire_cosine"] == pytest.approx(min(entires), abs=1e-6)
+    assert rows[0]["entire_cosine"] < rows[0]["single_cosine"] < 0.99999
