@@ -22,7 +22,7 @@ Every row mirrors a build: the kv_prefix <|im_start|> never runs through the qua
 model; its cache comes from the model as the export writes it (fp32 weights, before GPTQ
 rounds them), and the held-out text and calibration samples run from that cache.
 
-Figures as the compile steps' gates judge them (npuforge.backends.base.fidelity): top-1
+Figures as the compile steps' gates judge them (npuforge.backends.gate.fidelity): top-1
 agreement with fp32 and the change of the text's perplexity.
 
     python bench/bench_quant.py [--positions 96] [--models smollm2-135m,smollm2-135m-permuted]
@@ -133,7 +133,7 @@ def quantized_inputs(model, ranges):
 def evaluate(model, caches, ids, reference, ranges=None):
     """fidelity() of ``model`` over ``ids`` after the prefix's ``caches`` against
     ``reference`` logits (None: return the logits)."""
-    from npuforge.backends.base import fidelity
+    from npuforge.backends.gate import fidelity
 
     hooks = quantized_inputs(model, ranges or {})
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# The figures a failed gate's line names (npuforge.backends.base.check_gate).
+# The figures a failed gate's line names (npuforge.backends.gate.check_gate).
 FAILURE_FIGURES = {
     "positions": r"over (\d+) positions",
     "cosine": r"logits cosine (-?[\d.]+)",

@@ -249,7 +249,7 @@ def check_permuted_source(model_id: str, model: dict, models: dict) -> None:
 
 def model_weights(model: dict) -> str:
     """ "synthetic" for a registry model whose checkpoint is made with random weights, else
-    "trained": the compile step's floors depend on it (npuforge.backends.base)."""
+    "trained": the compile step's floors depend on it (npuforge.backends.gate)."""
     return "synthetic" if "synthetic" in model["source"] else "trained"
 
 

@@ -5,32 +5,32 @@ import numpy as np
 import pytest
 
 from npuforge import backends
-from npuforge.backends import base, qnn, rknn
+from npuforge.backends import base, gate, qnn, rknn
 from npuforge.errors import NpuforgeError
 from npuforge.registry import model_weights
 
 
 def test_trained_weights_are_gated_on_top1_and_perplexity():
     options = backends.options_of("qnn", {"htp_arch": 75, "soc_model": 57}, "SM8650")
-    trained = base.floors_for(qnn.FLOORS, options, "fp16", "trained")
+    trained = gate.floors_for(qnn.FLOORS, options, "fp16", "trained")
     assert trained == {"min_cosine": 0.999, "min_top1": 0.99, "max_perplexity_delta": 0.005}
     # Random weights keep the cosine floor their figures were measured against.
-    assert base.floors_for(qnn.FLOORS, options, "fp16", "synthetic") == {"min_cosine": 0.9999}
+    assert gate.floors_for(qnn.FLOORS, options, "fp16", "synthetic") == {"min_cosine": 0.9999}
     # Quantized precisions: task-level floors by weight bit width (the issue's gates).
     eight = {"min_top1": 0.95, "max_perplexity_delta": 0.03}
     four = {"min_top1": 0.90, "max_perplexity_delta": 0.10}
     for precision in ("a16w8", "w8a8", "int8", "w8f16", "w16a16i_dfp"):
-        assert base.floors_for(rknn.FLOORS, None, precision, "trained") == eight
+        assert gate.floors_for(rknn.FLOORS, None, precision, "trained") == eight
     for precision in ("a16w4", "w4f16"):
-        assert base.floors_for(rknn.FLOORS, None, precision, "trained") == four
-    assert base.floors_for(rknn.FLOORS, None, "w8a8", "synthetic") == rknn.FLOORS["w8a8"]
+        assert gate.floors_for(rknn.FLOORS, None, precision, "trained") == four
+    assert gate.floors_for(rknn.FLOORS, None, "w8a8", "synthetic") == rknn.FLOORS["w8a8"]
 
 
 def test_a_target_option_overrides_the_trained_floors():
     options = backends.options_of(
         "qnn", {"htp_arch": 75, "soc_model": 57, "min_top1": {"fp16": 0.9}}, "SM8650"
     )
-    assert base.floors_for(qnn.FLOORS, options, "fp16", "trained")["min_top1"] == 0.9
+    assert gate.floors_for(qnn.FLOORS, options, "fp16", "trained")["min_top1"] == 0.9
 
 
 def test_the_registry_says_which_weights_a_model_has():
@@ -48,8 +48,8 @@ def test_a_request_names_its_weights():
 
 def _record(reference, compiled, floors):
     ids = np.arange(reference.shape[0] + 1) % reference.shape[1]
-    figures = base.fidelity(reference, compiled, ids[1:])
-    return base.verification(
+    figures = gate.fidelity(reference, compiled, ids[1:])
+    return gate.verification(
         figures, floors, schedule=[], text={"source": "t"}, runner="sim", reference="fp32"
     )
 
@@ -65,7 +65,7 @@ def test_a_failed_check_is_one_line_with_every_figure():
     record = _record(reference, flipped, floors)
     assert not record["passed"] and len(record["failures"]) == 1
     with pytest.raises(NpuforgeError) as failed:
-        base.check_gate("SM8650", "fp16", record, "try fp16")
+        gate.check_gate("SM8650", "fp16", record, "try fp16")
     message = str(failed.value)
     assert "\n" not in message
     assert "top-1 agreement 0.9375 < 0.99" in message
@@ -85,18 +85,18 @@ def test_a_failed_check_names_the_first_misses_and_counts_the_rest():
     record = _record(reference, -reference, {"min_top1": 0.99})
     assert len(record["top1_misses"]) == 16
     with pytest.raises(NpuforgeError) as failed:
-        base.check_gate("RK3588", "w8a8", record, "try fp16")
+        gate.check_gate("RK3588", "w8a8", record, "try fp16")
     message = str(failed.value)
     named = message.split("top-1 differs at positions ")[1].split(", fp32's")[0]
-    assert named.startswith("0 (") and named.endswith(f"and {16 - base.MISSES_NAMED} more")
-    assert named.count("(") == base.MISSES_NAMED and "\n" not in message
+    assert named.startswith("0 (") and named.endswith(f"and {16 - gate.MISSES_NAMED} more")
+    assert named.count("(") == gate.MISSES_NAMED and "\n" not in message
 
 
 def test_a_passing_check_raises_nothing():
     reference = np.random.default_rng(1).standard_normal((8, 20)).astype(np.float32)
-    record = _record(reference, reference.copy(), base.TRAINED_FLOORS["fp16"])
+    record = _record(reference, reference.copy(), gate.TRAINED_FLOORS["fp16"])
     assert record["passed"] and record["top1_agreement"] == 1.0
-    base.check_gate("SM8650", "fp16", record, "unused")
+    gate.check_gate("SM8650", "fp16", record, "unused")
 
 
 def test_prefill_and_decode_rows_get_figures_of_their_own():
@@ -108,9 +108,9 @@ def test_prefill_and_decode_rows_get_figures_of_their_own():
     compiled = reference.copy()
     compiled[9] = -compiled[9]  # one decode row wrong
     compiled[5] *= 1.5  # a carried-state prefill row scaled: same direction
-    figures = base.variant_figures(schedule, reference, compiled)
+    figures = gate.variant_figures(schedule, reference, compiled)
     assert figures["prefill"]["positions"] == 8 and figures["prefill"]["top1_agreement"] == 1.0
     assert figures["decode"]["positions"] == 3 and figures["decode"]["cosine"] < 0
     assert figures["prefill_from_state"]["positions"] == 4
     assert figures["prefill_from_state"]["max_abs_rel"] > 0.0
-    assert base.variant_figures(schedule[2:], reference[8:], compiled[8:]) == {}
+    assert gate.variant_figures(schedule[2:], reference[8:], compiled[8:]) == {}

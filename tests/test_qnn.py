@@ -20,7 +20,7 @@ import qnn_fixtures
 import yaml
 from conftest import script_env
 
-from npuforge.backends import base, qnn, qnn_spec
+from npuforge.backends import base, gate, qnn, qnn_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import sha256_file
 from npuforge.jobs import job_stage, qnn_graph, qnn_quantizer
@@ -97,15 +97,15 @@ def test_verification_figures():
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((32, 50)).astype(np.float32)
     next_ids = ref.argmax(-1)  # text the reference predicts well
-    same = base.fidelity(ref, ref.copy(), next_ids)
+    same = gate.fidelity(ref, ref.copy(), next_ids)
     assert same["cosine"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
     assert same["max_abs_rel"] == 0.0 and same["positions"] == 32
     assert same["perplexity"]["delta"] == 0.0 and same["perplexity"]["positions"] == 32
     assert same["top1_misses"] == []
     noisy = ref + 0.1 * rng.standard_normal(ref.shape).astype(np.float32)
-    figures = base.fidelity(ref, noisy, next_ids)
+    figures = gate.fidelity(ref, noisy, next_ids)
     assert 0.98 < figures["cosine"] < 0.999
-    flipped = base.fidelity(ref, -ref, next_ids)
+    flipped = gate.fidelity(ref, -ref, next_ids)
     assert flipped["cosine"] == pytest.approx(-1.0) and flipped["top1_agreement"] < 0.2
     assert flipped["perplexity"]["delta"] > 1.0
     missed = [m["position"] for m in flipped["top1_misses"]]
@@ -114,7 +114,7 @@ def test_verification_figures():
     assert flipped["worst_cosine_position"] in range(32)
     broken = ref.copy()
     broken[3, 7] = np.nan
-    assert base.fidelity(ref, broken)["nan_inf"] == 1
+    assert gate.fidelity(ref, broken)["nan_inf"] == 1
 
 
 def test_calibration_listing(tmp_path):

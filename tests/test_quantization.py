@@ -564,7 +564,7 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
     """A binary that computes exactly the GPTQ'd export's fp32 graphs: against its own
     export it is perfect, which hides GPTQ's change; with the unrounded export as
     reference the gate sees it, and ``against_export`` keeps the own-export figures."""
-    from npuforge.backends import base
+    from npuforge.backends import base, gate
     from npuforge.backends.rknn import Options
     from npuforge.models.llama import onnx_export as llama_export
 
@@ -587,14 +587,14 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
             options=Options(target_platform="rk3588"), precision="w8a8", out_dir=tmp_path / "out",
         )  # fmt: skip
 
-    own = base.verify(request(()), {}, schedule, text_record, compiled, compiled, runner="t")
+    own = gate.verify(request(()), {}, schedule, text_record, compiled, compiled, runner="t")
     assert own["top1_agreement"] == 1.0 and own["perplexity"]["delta"] == 0.0
     assert "against_export" not in own
-    record = base.verify(
+    record = gate.verify(
         request([tmp_path / "plain"]), {}, schedule, text_record, compiled, compiled, runner="t"
     )
     plain = base.reference_logits(base.load_exports([tmp_path / "plain"], "rknn"), schedule, ids)
-    assert record["perplexity"]["reference"] == round(base.perplexity(plain[:24], ids[1:]), 5)
+    assert record["perplexity"]["reference"] == round(gate.perplexity(plain[:24], ids[1:]), 5)
     assert record["perplexity"]["delta"] != 0.0 and record["cosine"] < 1.0
     assert record["against_export"]["perplexity"]["delta"] == 0.0
     assert record["reference"].endswith("before rounding at export")
@@ -604,6 +604,6 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
         r"against the build.s own rounded export: top-1 1.0, cosine [\d.]+, perplexity \+0.00%"
     )
     with pytest.raises(NpuforgeError, match=own_figures):
-        base.check_gate("RK3588", "w8a8", failed, "try fp16")
+        gate.check_gate("RK3588", "w8a8", failed, "try fp16")
     with pytest.raises(NpuforgeError, match="give one per export"):
         request([tmp_path / "plain", tmp_path / "rounded"])

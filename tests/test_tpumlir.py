@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from npuforge import backends, toolchain
-from npuforge.backends import base, tpumlir, tpumlir_commands, tpumlir_env, tpumlir_inputs
+from npuforge.backends import base, gate, tpumlir, tpumlir_commands, tpumlir_env, tpumlir_inputs
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.errors import NpuforgeError
 
@@ -945,27 +945,27 @@ def test_verification_runs_prefill_then_decode_on_held_out_text(exports, tmp_pat
 def test_floors_per_precision():
     for target in ("bm1684x", "bm1688"):
         options = _options(target)
-        assert base.floors_for(tpumlir.FLOORS, options, "f16", "synthetic") == {
+        assert gate.floors_for(tpumlir.FLOORS, options, "f16", "synthetic") == {
             "min_cosine": 0.9999
         }
-        trained = base.floors_for(tpumlir.FLOORS, options, "f16", "trained")
-        assert trained == base.TRAINED_FLOORS["f16"]
-        assert base.floors_for(tpumlir.FLOORS, options, "int8", "trained") == {
+        trained = gate.floors_for(tpumlir.FLOORS, options, "f16", "trained")
+        assert trained == gate.TRAINED_FLOORS["f16"]
+        assert gate.floors_for(tpumlir.FLOORS, options, "int8", "trained") == {
             "min_top1": 0.95,
             "max_perplexity_delta": 0.03,
         }
-    floors = base.floors_for(
+    floors = gate.floors_for(
         tpumlir.FLOORS, _options("bm1684x", min_cosine=0.5), "w4f16", "trained"
     )
     assert floors == {"min_top1": 0.90, "max_perplexity_delta": 0.10, "min_cosine": 0.5}
     only_f16 = _options("bm1684x", min_cosine={"f16": 0.5})
     # An f16 override leaves bf16 alone; trained bf16 is held to the 16-bit float figures.
-    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == {
+    assert gate.floors_for(tpumlir.FLOORS, only_f16, "bf16", "trained") == {
         "min_cosine": 0.999,
         "min_top1": 0.99,
         "max_perplexity_delta": 0.005,
     }
-    assert base.floors_for(tpumlir.FLOORS, only_f16, "bf16", "synthetic") == tpumlir.FLOORS["bf16"]
+    assert gate.floors_for(tpumlir.FLOORS, only_f16, "bf16", "synthetic") == tpumlir.FLOORS["bf16"]
 
 
 def _fake_toolchain(exports, tmp_path, perturb, prefill_calls=1):

@@ -236,7 +236,7 @@ def test_trained_smollm2_fp16_verifies_on_real_text_only_with_the_fp16_safe_norm
     with SiLU in its tanh form it meets the fp16 gate over the 64 held-out positions its
     registry entry asks for (with the Sigmoid form: logits cosine 0.99839 < 0.999,
     perplexity -0.85 %)."""
-    from npuforge.backends.base import TRAINED_FLOORS
+    from npuforge.backends.gate import TRAINED_FLOORS
 
     reason = toolchain.unavailable_reason("qnn", "native", {"htp_arch": 75, "soc_model": 57})
     if reason:
@@ -282,7 +282,7 @@ def test_rotated_twin_w16a16i_dfp_passes_the_8bit_gate_on_the_rknn_simulator(
     bf16/fp16 checkpoints users bring), its residual stream rotated at export, 16-bit
     integer matmuls (the rest float16) keep its next-token choices and perplexity on
     held-out text, and the bundle records the rotation."""
-    from npuforge.backends.base import TRAINED_FLOORS
+    from npuforge.backends.gate import TRAINED_FLOORS
 
     reason = toolchain.unavailable_reason("rknn", "podman", {"target_platform": "rk3588"})
     if reason:

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from npuforge import backends
-from npuforge.backends import base
+from npuforge.backends import base, gate
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 
@@ -104,7 +104,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         logits = base.reference_logits({"decode": shipped}, schedule, text["ids"])
         for name in beside:
             (tmp / name).unlink()
-        verification = base.verify(
+        verification = gate.verify(
             request, FLOORS, schedule, text, expected.reshape(len(schedule), -1), logits,
             runner=f"onnxruntime {metadata.version('onnxruntime')} CPU, the shipped graphs",
             reference_label=reference,
@@ -123,7 +123,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             "options": backends.options_dict(request.options),
         }
         write_json(tmp / "compile.json", record)
-        base.check_gate(
+        gate.check_gate(
             request.target,
             request.precision,
             verification,

@@ -8,7 +8,7 @@ Two routes produce the binaries:
   (EP-context generation) and runs it on the simulator. The work happens in
   ``npuforge/jobs/qnn_job.py`` inside the toolchain environment; this module and
   ``qnn_spec``/``qnn_record`` write its spec and turn its result into
-  ``compile.json``; verification and the gate are ``npuforge.backends.base``'s.
+  ``compile.json``; verification and the gate are ``npuforge.backends.base``'s and ``.gate``'s.
 * ``sdk``: the QNN SDK's own command-line tools, for users who hold the SDK
   (``npuforge.backends.qnn_sdk``).
 
@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from npuforge.backends import base, layer_error, qnn_record
+from npuforge.backends import base, gate, layer_error, qnn_record
 from npuforge.backends.qnn_spec import QUANTIZED, RANGE_MARGIN, build_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
@@ -70,7 +70,7 @@ BYTES_PER_PARAM = {"fp16": 2.0, "a16w8": 1.0, "a16w4": 0.5}
 # model beside the float one and are not measured at this size: still 24.
 COMPILE_BYTES_PER_PARAM = {"fp16": 18.0, "a16w8": 24.0, "a16w4": 24.0}
 
-# The simulator check's floors against onnxruntime fp32 (see npuforge.backends.base).
+# The simulator check's floors against onnxruntime fp32 (see npuforge.backends.gate).
 FLOORS = {
     "fp16": {"min_cosine": 0.9999},
     "a16w8": {"min_cosine": 0.999},
@@ -287,7 +287,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                     "weights at 16 bit (target option weights_16bit), or use fp16"
                 )
             )
-            base.check_gate(target, precision, record["verification"], fix)
+            gate.check_gate(target, precision, record["verification"], fix)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     jobs.finished.clear()
@@ -433,13 +433,13 @@ def _verification(request, checked, result, stamp) -> dict:
     print(
         f"simulator verification: {result['verification']['simulator_seconds']} s", file=sys.stderr
     )
-    verification = base.verify(
+    verification = gate.verify(
         request, FLOORS, schedule, text, reference, compiled,
         runner=f"QNN HTP x86 simulator (onnxruntime-qnn {base.version(stamp, 'onnxruntime-qnn')})",
     )  # fmt: skip
     # The job's own onnxruntime CPU run on the same feeds: tells a compiler error
     # (this is ~0) from a feeding error (this is large too).
-    job_cpu = base.fidelity(reference, outputs[f"reference/{logits[0]}"])
+    job_cpu = gate.fidelity(reference, outputs[f"reference/{logits[0]}"])
     verification["toolchain_cpu_max_abs_rel"] = job_cpu["max_abs_rel"]
     return verification
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuforge import backends
-from npuforge.backends import base, layer_error
+from npuforge.backends import base, gate, layer_error
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, sha256_file, write_json
 from npuforge.jobs.finished_chunks import (
@@ -48,7 +48,7 @@ PLATFORM_PRECISIONS = {
 }
 PRECISIONS = ("fp16", "w8a8", "w16a16i", "w16a16i_dfp")
 QUANTIZED_ALGORITHMS = ("normal", "mmse", "kl_divergence")
-# The simulator check's floors against onnxruntime fp32 (see npuforge.backends.base).
+# The simulator check's floors against onnxruntime fp32 (see npuforge.backends.gate).
 FLOORS = {
     "fp16": {"min_cosine": 0.9999},
     "w8a8": {"min_cosine": 0.999},
@@ -406,7 +406,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             for line in layer_error.report_lines(layer_errors, "rknn-toolkit2 accuracy_analysis"):
                 say(line)
 
-        verification = base.verify(
+        verification = gate.verify(
             request, FLOORS, schedule, text, reference, logits,
             runner=f"rknn-toolkit2 {base.version(stamp, 'rknn-toolkit2')} simulator, "
             "chunks chained",
@@ -451,7 +451,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             },
         }
         write_json(staging / "compile.json", record)
-        base.check_gate(
+        gate.check_gate(
             target,
             precision,
             verification,

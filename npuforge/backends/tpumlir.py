@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npuforge import backends
-from npuforge.backends import base
+from npuforge.backends import base, gate
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.backends.tpumlir_commands import (
     CALIBRATION_METHODS,
@@ -83,7 +83,7 @@ DEFAULT_TOLERANCE = {
     "w8f16": "0.90,0.80",
     "w4f16": "0.90,0.80",
 }
-# The cmodel check's floors against onnxruntime fp32 (see npuforge.backends.base).
+# The cmodel check's floors against onnxruntime fp32 (see npuforge.backends.gate).
 FLOORS = {
     "f16": {"min_cosine": 0.9999},
     "bf16": {"min_cosine": 0.999},
@@ -607,7 +607,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             shutil.copytree(work / "logs", tmp / "logs", dirs_exist_ok=True)
             shutil.copyfile(spec["result"], tmp / "logs" / "job_result.json")
             logits = np.load(spec["verify"]["outputs"])
-            verification = base.verify(
+            verification = gate.verify(
                 request, FLOORS, schedule, text, reference, logits,
                 runner=f"TPU-MLIR {base.version(stamp, 'tpu_mlir')} cmodel (pyruntime_bm), the "
                 "combined bmodel's nets",
@@ -618,7 +618,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             record["artifacts"][0]["build_time"] = pinned
             shutil.rmtree(work)
             write_json(tmp / "compile.json", record)
-            base.check_gate(
+            gate.check_gate(
                 target,
                 precision,
                 verification,
