@@ -39,7 +39,15 @@ import numpy as np
 import pytest
 
 from npuforge import backends, toolchain
-from npuforge.backends import base, gate, tpumlir, tpumlir_commands, tpumlir_env, tpumlir_inputs
+from npuforge.backends import (
+    base,
+    gate,
+    tpumlir,
+    tpumlir_commands,
+    tpumlir_env,
+    tpumlir_inputs,
+    tpumlir_record,
+)
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.errors import NpuforgeError
 
@@ -605,7 +613,7 @@ def test_int8_takes_each_graphs_samples_from_the_calibration_stage(exports, tmp_
     Path(spec["bmodel"]).write_bytes(b"bmodel")
     result = {"versions": {}, "steps": []}
     options = _options("bm1684x")
-    record = tpumlir.compile_record(spec, result, {}, options, None, calibrations)
+    record = tpumlir_record.compile_record(spec, result, {}, options, None, calibrations)
     recorded = record["options"]["calibration"]
     assert sorted(recorded) == ["decode", "prefill"]
     assert recorded["prefill"]["tokens_per_call"] == PREFILL_TOKENS
@@ -1107,7 +1115,7 @@ def test_compile_record_lists_bmodel_states_and_similarity(exports, tmp_path):
         ],
     }
     stamp = {"runtime": "native", "versions": {"tpu_mlir": "1.30.2", "torch": "2.11.0+cpu"}}
-    record = tpumlir.compile_record(spec, result, stamp, _options("bm1688"), None)
+    record = tpumlir_record.compile_record(spec, result, stamp, _options("bm1688"), None)
     assert [(a["file"], a["role"]) for a in record["artifacts"]] == [
         ("bm1688_w4f16.bmodel", "binary"),
         ("chat.pth", "state"),
