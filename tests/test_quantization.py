@@ -597,11 +597,17 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
     assert record["perplexity"]["reference"] == round(gate.perplexity(plain[:24], ids[1:]), 5)
     assert record["perplexity"]["delta"] != 0.0 and record["cosine"] < 1.0
     assert record["against_export"]["perplexity"]["delta"] == 0.0
+    # This binary is its own export, so the rounding at export is the whole loss.
+    rounding = record["rounding_at_export"]
+    assert rounding["perplexity"]["delta"] == record["perplexity"]["delta"] != 0.0
+    assert rounding["top1_agreement"] == record["top1_agreement"]
+    assert "rounding_at_export" not in own
     assert record["reference"].endswith("before rounding at export")
     # A failed gate's one line says how far the binary is from its own rounded export.
     failed = {**record, "passed": False, "failures": ["logits cosine 0.9 < 1.0"]}
     own_figures = (
         r"against the build.s own rounded export: top-1 1.0, cosine [\d.]+, perplexity \+0.00%"
+        r"; the rounding at export alone \(its fp32 graphs\): top-1 [\d.]+, perplexity [+-]"
     )
     with pytest.raises(NpuforgeError, match=own_figures):
         gate.check_gate("RK3588", "w8a8", failed, "try fp16")

@@ -181,11 +181,13 @@ def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, 
     floors of the request's precision (``floors``: the backend's FLOORS) applied.
 
     With ``request.references`` (exports rounded at export) the gate's reference is those
-    unrounded graphs over the same calls, and ``against_export`` keeps the figures against
-    the build's own fp32 exports: their difference is the rounding at export alone."""
-    against_export = None
+    unrounded graphs over the same calls, ``against_export`` keeps the figures against the
+    build's own fp32 exports (the toolkit's share of the loss) and ``rounding_at_export``
+    those of the own exports against the unrounded ones (the rounding's share)."""
+    against_export = rounded = None
     if request.references:
         against_export = fidelity(reference, compiled, text["ids"][1:])
+        rounded = reference
         unrounded = load_exports(request.references, "reference", prefill=True)
         missing = {call.variant for call in schedule} - set(unrounded)
         if missing:
@@ -205,9 +207,10 @@ def verify(request, floors: dict, schedule, text: dict, reference, compiled, *, 
     )
     record.update(variant_figures(schedule, reference, compiled))
     if against_export is not None:
-        record["against_export"] = {
-            key: against_export[key] for key in ("cosine", "top1_agreement", "perplexity")
-        }
+        keys = ("cosine", "top1_agreement", "perplexity")
+        record["against_export"] = {key: against_export[key] for key in keys}
+        rounding = fidelity(reference, rounded, text["ids"][1:])
+        record["rounding_at_export"] = {key: rounding[key] for key in keys}
     return record
 
 
@@ -260,6 +263,14 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
             f"; against the build's own rounded export: top-1 {own.get('top1_agreement')}, "
             f"cosine {own.get('cosine')}"
             + (f", perplexity {own_ppl:+.2%}" if own_ppl is not None else "")
+        )
+    rounding = record.get("rounding_at_export")
+    if rounding:
+        rounding_ppl = (rounding.get("perplexity") or {}).get("delta")
+        where += (
+            f"; the rounding at export alone (its fp32 graphs): top-1 "
+            f"{rounding.get('top1_agreement')}"
+            + (f", perplexity {rounding_ppl:+.2%}" if rounding_ppl is not None else "")
         )
     raise NpuforgeError(
         f"{target} {precision}: the simulator check over {record['positions']} positions of "
