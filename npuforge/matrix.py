@@ -315,6 +315,35 @@ def check_cache_fits(config: dict, models: dict, targets: dict, builds) -> None:
                 )
 
 
+# Decode calls a verification with prefill graphs runs after its prefill calls: a
+# bundle's generation is decode calls, and a check that spends its positions on prefill
+# calls would hardly exercise them.
+MIN_DECODE_CALLS = 8
+
+
+def check_decode_calls(models: dict, targets: dict, builds) -> None:
+    """A target with prefill graphs verifies at least MIN_DECODE_CALLS decode calls after
+    its prefill calls (a decode-only check is decode calls throughout)."""
+    from npuforge.backends.base import CommonOptions
+
+    for build in builds:
+        model, target = models[build.model], targets[build.target]
+        export = merged_export(model, target)
+        if "prefill" not in export["variants"]:
+            continue
+        options = build_options(model, target)
+        steps = int(options.get("verify_steps", CommonOptions.verify_steps))
+        calls = int(options.get("verify_prefill_calls", 1))
+        prefill = int(export["prefill_tokens"]) * calls
+        if steps - prefill < MIN_DECODE_CALLS:
+            raise NpuforgeError(
+                f"model {build.model} on {build.target}: verify_steps {steps} leaves "
+                f"{max(steps - prefill, 0)} decode calls after {calls} {export['prefill_tokens']}"
+                f"-token prefill call(s); the check needs {MIN_DECODE_CALLS}: set verify_steps "
+                f"to at least {prefill + MIN_DECODE_CALLS}"
+            )
+
+
 def check_batch(models: dict, targets: dict, builds) -> None:
     """A backend whose verification covers only ``MAX_BATCH`` sequences refuses more."""
     for build in builds:
@@ -355,6 +384,7 @@ def make_plan(config: dict, models: dict, targets: dict) -> Plan:
     builds = select_builds(config, models, targets)
     check_per_precision_export(models, targets, builds)
     check_cache_fits(config, models, targets, builds)
+    check_decode_calls(models, targets, builds)
     memory = plan_memory(models, targets, builds)
     check_batch(models, targets, builds)
     plan = Plan(models=models, targets=targets, builds=builds, memory=memory)

@@ -366,6 +366,27 @@ def test_a_model_verify_steps_replaces_the_targets_and_must_fit_the_cache():
         make_plan(selection(model="smollm2-135m", target="SM8650"), long, TARGETS)
 
 
+def test_a_check_with_prefill_graphs_keeps_eight_decode_calls():
+    """BM targets verify one 32-token prefill call, then decode calls: at least 8."""
+    smollm2 = MODELS["smollm2-135m"]
+    assert make_plan(selection(model="smollm2-135m", target="BM1688"), MODELS, TARGETS).builds
+    short = {"smollm2-135m": dict(smollm2, verify_steps=39)}
+    with pytest.raises(NpuforgeError, match="leaves 7 decode calls") as refused:
+        make_plan(selection(model="smollm2-135m", target="BM1688"), short, TARGETS)
+    assert "set verify_steps to at least 40" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    twice = dict(
+        TARGETS["BM1688"], options={**TARGETS["BM1688"]["options"], "verify_prefill_calls": 2}
+    )
+    with pytest.raises(NpuforgeError, match="after 2 32-token prefill call"):
+        make_plan(
+            selection(model="smollm2-135m", target="BM1688"), MODELS, {**TARGETS, "BM1688": twice}
+        )
+    # A decode-only check is decode calls throughout: a short one is the user's choice.
+    few = {"smollm2-135m": dict(smollm2, verify_steps=4)}
+    assert make_plan(selection(model="smollm2-135m", target="SM8650"), few, TARGETS).builds
+
+
 def test_a_model_may_ask_for_more_calibration_samples():
     plan = make_plan(
         selection(model="smollm2-135m,rwkv7-demo", target="SM8650", precision="a16w4"),
