@@ -50,8 +50,9 @@ def test_a_figure_edited_in_the_data_makes_its_pages_stale(tmp_path):
     root = docs_copy(tmp_path)
     data = root / measurements.BUILDS
     rows = measurements.load_rows(data)
-    (row,) = [r for r in rows if r["id"] == "sm8650-a16w8-tanh-silu-64"]
-    row["figures"]["top1"] = 0.9531
+    # The best failed SM8650 a16w8 build: the README's support matrix and the QNN page show it.
+    (row,) = [r for r in rows if r["id"] == "sm8650-a16w8-qkvo16-128"]
+    row["figures"]["top1"] = 0.9454
     measurements.write_rows(data, rows)
     stale = {str(p.relative_to(root)) for p in docs_tables.stale_pages(root)}
     assert stale == {"README.md", "docs/backends/qnn.md"}
@@ -64,7 +65,7 @@ def test_a_figure_edited_in_the_data_makes_its_pages_stale(tmp_path):
     assert "generated tables differ from docs/data in README.md" in check.stderr
     changed = docs_tables.regenerate(root)
     assert {str(p.relative_to(root)) for p in changed} == stale
-    assert "| 0.9531 |" in (root / "README.md").read_text()
+    assert "| 0.9454 |" in (root / "README.md").read_text()
     assert docs_tables.stale_pages(root) == []
 
 
@@ -74,7 +75,7 @@ def test_support_matrix_states_come_from_the_data():
     def status(target, precision):
         return docs_tables.pair_status(data["builds"], "smollm2-135m", target, precision)
 
-    passing = ("SM8650 fp16", "SM8650 a16w8", "RK3588 fp16", "RK3588 w16a16i_dfp", "BM1684X f16")
+    passing = ("SM8650 fp16", "RK3588 fp16", "RK3588 w16a16i_dfp", "BM1684X f16")
     for target, precision in (pair.split() for pair in passing):
         assert status(target, precision)[0] == "passes", (target, precision)
     # The 4-bit passes name the lever that makes Q4_1's blocks exact on the quantizer's grid.
@@ -88,7 +89,8 @@ def test_support_matrix_states_come_from_the_data():
     # (integer precisions), and nothing else.
     model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["smollm2-135m"]
     twin = "smollm2-135m-permuted"
-    assert status("SM8650", "a16w8")[0] == "passes"
+    # a16w8 rebuilt on 2026-12-03 fails on the original too (0.891), and on the twin.
+    assert status("SM8650", "a16w8")[0].startswith("**fails**")
     assert docs_tables.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
     # A 4-bit build exact on the GGUF's blocks is built for this model whatever the twin
     # did (issue 41: the lever is a real feature for GGUF inputs); the matrix shows both.
