@@ -231,6 +231,15 @@ def variant_figures(schedule, reference, compiled) -> dict:
     return figures
 
 
+def _figures_text(figures: dict, cosine: bool) -> str:
+    """'top-1 T[, cosine C][, perplexity +P%]' of a figures record."""
+    text = f"top-1 {figures.get('top1_agreement')}"
+    if cosine:
+        text += f", cosine {figures.get('cosine')}"
+    delta = (figures.get("perplexity") or {}).get("delta")
+    return text + (f", perplexity {delta:+.2%}" if delta is not None else "")
+
+
 # Top-1 misses a failed gate's message names (the manifest lists them all).
 MISSES_NAMED = 6
 
@@ -254,24 +263,14 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
         where += f" and {len(misses) - MISSES_NAMED} more"
     if misses:
         where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets"
-    own = record.get("against_export")
-    if own:
-        # Rounded at export: how far the binary is from its own graphs tells the toolkit's
-        # share of the loss from the rounding's.
-        own_ppl = (own.get("perplexity") or {}).get("delta")
-        where += (
-            f"; against the build's own rounded export: top-1 {own.get('top1_agreement')}, "
-            f"cosine {own.get('cosine')}"
-            + (f", perplexity {own_ppl:+.2%}" if own_ppl is not None else "")
-        )
-    rounding = record.get("rounding_at_export")
-    if rounding:
-        rounding_ppl = (rounding.get("perplexity") or {}).get("delta")
-        where += (
-            f"; the rounding at export alone (its fp32 graphs): top-1 "
-            f"{rounding.get('top1_agreement')}"
-            + (f", perplexity {rounding_ppl:+.2%}" if rounding_ppl is not None else "")
-        )
+    # Rounded at export: the binary against its own graphs is the toolkit's share of the
+    # loss, those graphs against the unrounded ones the rounding's.
+    for key, label, cosine in (
+        ("against_export", "against the build's own rounded export", True),
+        ("rounding_at_export", "the rounding at export alone (its fp32 graphs)", False),
+    ):
+        if record.get(key):
+            where += f"; {label}: {_figures_text(record[key], cosine)}"
     raise NpuforgeError(
         f"{target} {precision}: the simulator check over {record['positions']} positions of "
         f"held-out text failed ({'; '.join(failures + passed)}{where}) against "
