@@ -101,3 +101,96 @@ def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
     assert rows[0]["single_cosine"] == pytest.approx(min(singles), abs=1e-6)
     assert rows[0]["entire_cosine"] == pytest.approx(min(entires), abs=1e-6)
     assert rows[0]["entire_cosine"] < rows[0]["single_cosine"] < 0.99999
+
+
+def test_htp_column_reads_each_value_through_its_own_quantizer(tmp_path):
+    """The HTP column's probes: run here on the CPU in place of the simulator, each
+    product reads as its QuantizeLinear/DequantizeLinear pair leaves it, the chunk output
+    as it is, and the probes leave the model's own outputs alone."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    rng = np.random.default_rng(1)
+    _mlp(tmp_path / "float.onnx", rng)
+    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(6)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(samples)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    quantize_static(
+        str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), Reader(),
+        quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8, per_channel=True,
+    )  # fmt: skip
+    seen = []
+
+    def on_cpu(model_path, feeds):
+        seen.append(model_path)
+        session = qnn_layer_error._session(ort, model_path)
+        names = [o.name for o in session.get_outputs()]
+        return [dict(zip(names, session.run(names, f), strict=True)) for f in feeds]
+
+    work = tmp_path / "work"
+    rows = qnn_layer_error.analyse(
+        str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), samples[:3], work, htp=on_cpu
+    )
+    assert seen == [str(work / "probe.onnx")]
+    probe_runs = on_cpu(seen[0], samples[:3])
+    plain_runs = on_cpu(str(tmp_path / "qdq.onnx"), samples[:3])
+    for probed, plain in zip(probe_runs, plain_runs, strict=True):
+        assert set(probed) == {"y", "probe/y0"}
+        np.testing.assert_array_equal(probed["y"], plain["y"])
+
+    qdq = onnx.load(tmp_path / "qdq.onnx")
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    [quantizer] = [
+        n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "y0"
+    ]
+    scale, zero = inits[quantizer.input[1]], inits[quantizer.input[2]]
+    # analyse's own copies of both models, y0 among their outputs.
+    float_session = qnn_layer_error._session(ort, str(work / "float.onnx"))
+    qdq_session = qnn_layer_error._session(ort, str(work / "qdq.onnx"))
+    expected = []
+    for feeds, probed in zip(samples[:3], probe_runs, strict=True):
+        y0 = float_session.run(["y0"], feeds)[0]
+        rounded = _fake_quant(qdq_session.run(["y0"], feeds)[0], scale, zero, zero.dtype)
+        np.testing.assert_allclose(probed["probe/y0"], rounded, atol=1e-6)
+        expected.append(qnn_layer_error.cosine(y0, probed["probe/y0"]))
+    assert rows[0]["htp_cosine"] == pytest.approx(min(expected), abs=1e-6)
+    # The chunk output is read as it is: the same figure as the whole model's.
+    assert rows[1]["htp_cosine"] == pytest.approx(rows[1]["entire_cosine"], abs=1e-9)
+    # y0's own rounding on top of the error so far.
+    assert rows[0]["htp_cosine"] < rows[0]["entire_cosine"]
+
+
+def test_summary_carries_the_htp_column_beside_the_cpu_figures():
+    from npuforge.backends import layer_error
+
+    def row(tensor, entire, single, htp):
+        return {"op": "MatMul", "tensor": tensor, "entire_cosine": entire,
+                "single_cosine": single, "htp_cosine": htp}  # fmt: skip
+
+    rows = [
+        row("/layers.0/mlp/down_proj/MatMul_output_0", 0.999, 0.9995, 0.99),
+        row("/layers.1/mlp/down_proj/MatMul_output_0", 0.998, 0.9990, 0.90),
+        row("logits", 0.997, None, None),
+    ]
+    summary = layer_error.summarize([rows], [4])
+    assert summary["htp_cosine_after_layer"] == [[0, 0.99], [1, 0.90]]
+    assert summary["entire_cosine_after_layer"] == [[0, 0.999], [1, 0.998]]
+    assert summary["htp_cosine_at_chunk_end"] == [None]
+    lines = layer_error.report_lines(summary, "Q/DQ model")
+    assert any(line.endswith("single 0.99900, entire 0.99800, htp 0.90000") for line in lines)
+    assert lines[-1] == "  htp cosine after each decoder layer: 0:0.9900 1:0.9000"
+    # Without the column (RKNN, or QNN's CPU figures only) the summary has no htp keys.
+    cpu_only = [{k: v for k, v in r.items() if k != "htp_cosine"} for r in rows]
+    assert not [key for key in layer_error.summarize([cpu_only], [4]) if key.startswith("htp")]

@@ -3,7 +3,9 @@
 A table is a list of rows {op, tensor, entire_cosine, single_cosine, ...} in graph
 order: ``single`` is the layer alone fed fp32 inputs (its own quantization error; None
 where the tool could not isolate it), ``entire`` the layer with every earlier one
-quantized too (the error so far).
+quantized too (the error so far), ``htp`` (QNN) the whole quantized model run on the
+vendor's simulator, read at the same values (where the device departs from the tool's
+fake quantization).
 """
 
 import re
@@ -45,20 +47,24 @@ def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
         entry = kinds.setdefault(kind(row["tensor"]), {"layers": 0, "worst_single": 1.0})
         entry["layers"] += 1
         entry["worst_single"] = min(entry["worst_single"], row["single_cosine"])
-    after_layer = {}
-    for row in rows:
-        match = _LAYER.search(row["tensor"])
-        if match:
-            after_layer[int(match.group(1))] = row["entire_cosine"]  # the layer's last row
     worst = sorted(isolated, key=lambda row: row["single_cosine"])[:WORST_ROWS]
-    return {
+    summary = {
         "held_out_steps": steps,
         "worst_layers": worst,
         "by_kind": dict(sorted(kinds.items(), key=lambda item: item[1]["worst_single"])),
-        "entire_cosine_after_layer": [[i, after_layer[i]] for i in sorted(after_layer)],
-        # Each chunk is fed fp32 inputs: its last row is what that chunk alone loses.
-        "entire_cosine_at_chunk_end": [table[-1]["entire_cosine"] for table in tables if table],
     }
+    columns = ["entire"] + (["htp"] if any(r.get("htp_cosine") is not None for r in rows) else [])
+    for column in columns:
+        key = f"{column}_cosine"
+        after_layer = {}
+        for row in rows:
+            match = _LAYER.search(row["tensor"])
+            if match and row.get(key) is not None:
+                after_layer[int(match.group(1))] = row[key]  # the layer's last row
+        summary[f"{key}_after_layer"] = [[i, after_layer[i]] for i in sorted(after_layer)]
+        # Each chunk is fed fp32 inputs: its last row is what that chunk alone loses.
+        summary[f"{key}_at_chunk_end"] = [table[-1].get(key) for table in tables if table]
+    return summary
 
 
 def report_lines(summary: dict, tool: str) -> list[str]:
@@ -68,23 +74,33 @@ def report_lines(summary: dict, tool: str) -> list[str]:
         f"{summary['held_out_steps']}): single = the layer alone on fp32 inputs, entire = "
         "with every earlier layer quantized"
     ]
+    if "htp_cosine_after_layer" in summary:
+        lines.append(
+            "  htp = the whole quantized model on the HTP simulator, read at the same values"
+        )
     for row in summary["worst_layers"]:
+        htp = row.get("htp_cosine")
         lines.append(
             f"  worst: [{row['op']}] {row['tensor']} (chunk {row['chunk']}): single "
             f"{row['single_cosine']:.5f}, entire {row['entire_cosine']:.5f}"
+            + ("" if htp is None else f", htp {htp:.5f}")
         )
     for name, entry in list(summary["by_kind"].items())[:WORST_ROWS]:
         lines.append(
             f"  kind: {name}: worst single {entry['worst_single']:.5f} over {entry['layers']}"
         )
-    ends = summary["entire_cosine_at_chunk_end"]
-    lines.append(
-        "  entire cosine at each chunk's last layer: " + " ".join(f"{c:.5f}" for c in ends)
-    )
-    after = summary["entire_cosine_after_layer"]
-    if after:
+    for column in ("entire", "htp"):
+        ends = summary.get(f"{column}_cosine_at_chunk_end")
+        if ends is None:
+            continue
         lines.append(
-            "  entire cosine after each decoder layer: "
-            + " ".join(f"{layer}:{value:.4f}" for layer, value in after)
+            f"  {column} cosine at each chunk's last layer: "
+            + " ".join("-" if c is None else f"{c:.5f}" for c in ends)
         )
+        after = summary[f"{column}_cosine_after_layer"]
+        if after:
+            lines.append(
+                f"  {column} cosine after each decoder layer: "
+                + " ".join(f"{layer}:{value:.4f}" for layer, value in after)
+            )
     return lines

@@ -104,9 +104,32 @@ def layer_error_table(spec: dict, chunk: dict, graph: dict, inputs: list) -> dic
     qdq = qdq_path(spec, chunk, graph)
     log(f"layer error: chunk {chunk['index']} {graph['variant']}, {len(samples)} held-out steps")
     started = time.monotonic()
-    rows = analyse(graph["model"], str(qdq), samples, qdq.parent / "layer_error")
+    rows = analyse(
+        graph["model"],
+        str(qdq),
+        samples,
+        qdq.parent / "layer_error",
+        htp=lambda model, feeds: run_on_simulator(spec, model, feeds),
+    )
     log(f"layer error: {len(rows)} nodes in {time.monotonic() - started:.1f} s")
     return {"samples": len(samples), "layers": rows}
+
+
+def run_on_simulator(spec: dict, model_path: str, samples: list) -> list[dict]:
+    """``model_path`` compiled alone for the spec's HTP and run on its simulator, once per
+    sample; every output by name. For analysis only: the context is not kept."""
+    ort, devices, htp_library = register_qnn()
+    options = provider_options(spec, htp_library)
+    ctx = Path(model_path).with_name(Path(model_path).stem + "_ctx.onnx")
+    generate_contexts(ort, devices, options, [(model_path, ctx)], share=False)
+    session = simulator_session(ort, devices, options, ctx)
+    names = [output.name for output in session.get_outputs()]
+    wanted = {item.name for item in session.get_inputs()}
+    runs = []
+    for feeds in samples:
+        values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+        runs.append(dict(zip(names, values, strict=True)))
+    return runs
 
 
 def compile_chunk(spec: dict, chunk: dict) -> dict:

@@ -10,8 +10,15 @@ graph's name, on the chunk's fp32 inputs of each sample:
   quantizer put on its inputs, its weights dequantized as quantized.
 
 Graph optimisations are off, so the Q/DQ pairs are computed as written (fake
-quantization in float, what the HTP's integer kernels approximate). Rows
-``{op, tensor, entire_cosine, single_cosine}`` in graph order, the worst over the samples.
+quantization in float, what the HTP's integer kernels approximate). Given a runner for
+the HTP (``analyse(htp=...)``), also
+
+- ``htp``: the whole Q/DQ model compiled for the HTP and run on its simulator, each value
+  read through a second DequantizeLinear of its QuantizeLinear (``probe_model``): where
+  the HTP's integer execution departs from the fake quantization.
+
+Rows ``{op, tensor, entire_cosine, single_cosine[, htp_cosine]}`` in graph order, the
+worst over the samples.
 """
 
 import time
@@ -57,6 +64,42 @@ def _with_outputs(model_path: str, names: list, out_path: Path) -> str:
             )
     onnx.save(model, str(out_path), save_as_external_data=True, location=out_path.name + ".data")
     return str(out_path)
+
+
+def probe_model(qdq_path: str, names: list, out_path: Path) -> dict:
+    """The Q/DQ model saved at ``out_path`` with each of ``names`` as an extra output the
+    way its quantized unit computes it: a second DequantizeLinear of the QuantizeLinear
+    that quantizes it. (The float value itself as an output would take its node out of
+    its quantized unit, and the HTP would run that node in float.) Returns
+    ``{name: output}``: a chunk output is its own; a value no QuantizeLinear reads, none.
+    """
+    import onnx
+
+    model = onnx.load(qdq_path)
+    graph = model.graph
+    outputs = {output.name for output in graph.output}
+    quantizers = {}
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear":
+            quantizers.setdefault(node.input[0], node)
+    probes = {}
+    for name in names:
+        if name in outputs:
+            probes[name] = name
+            continue
+        quantizer = quantizers.get(name)
+        if quantizer is None:
+            continue
+        probe = f"probe/{name}"
+        node = onnx.helper.make_node(
+            "DequantizeLinear", [quantizer.output[0], *quantizer.input[1:3]], [probe], name=probe
+        )
+        node.attribute.extend(a for a in quantizer.attribute if a.name == "axis")
+        graph.node.append(node)
+        graph.output.append(onnx.helper.make_tensor_value_info(probe, onnx.TensorProto.FLOAT, None))
+        probes[name] = probe
+    onnx.save(model, str(out_path), save_as_external_data=True, location=out_path.name + ".data")
+    return probes
 
 
 def _run_all(ort, path: str, samples: list) -> list[dict]:
@@ -113,8 +156,12 @@ def node_alone(qdq, node, producers: dict, initializers: dict, fed: dict):
     return model, inputs
 
 
-def analyse(float_path: str, qdq_path: str, samples: list, work: Path) -> list[dict]:
-    """Rows of the module docstring for one graph; ``samples``: fp32 input feeds (dicts)."""
+def analyse(float_path: str, qdq_path: str, samples: list, work: Path, htp=None) -> list[dict]:
+    """Rows of the module docstring for one graph; ``samples``: fp32 input feeds (dicts).
+
+    ``htp(model_path, samples)``: the model's outputs on the HTP per sample (dicts), or
+    None for the CPU columns only.
+    """
     import onnx
     import onnxruntime as ort
 
@@ -146,6 +193,13 @@ def analyse(float_path: str, qdq_path: str, samples: list, work: Path) -> list[d
     quantized_runs = _run_all(ort, _with_outputs(qdq_path, names, work / "qdq.onnx"), samples)
     for j, feeds in enumerate(samples):
         reference[j].update(feeds)
+    probes, htp_runs = {}, None
+    if htp is not None:
+        probes = probe_model(qdq_path, names, work / "probe.onnx")
+        log(f"layer error: the Q/DQ model with {len(probes)} probes on the HTP simulator")
+        started = time.monotonic()
+        htp_runs = htp(str(work / "probe.onnx"), samples)
+        log(f"layer error: HTP runs in {time.monotonic() - started:.1f} s")
     producers = {out: n for n in qdq.graph.node for out in n.output}
     initializers = {init.name: init for init in qdq.graph.initializer}
     table, last = [], time.monotonic()
@@ -165,14 +219,22 @@ def analyse(float_path: str, qdq_path: str, samples: list, work: Path) -> list[d
                 cosine(ref[name], session.run([name], {i: ref[i] for i in inputs})[0])
                 for ref in reference
             )
-        table.append(
-            {
-                "op": float_ops[name],
-                "tensor": name,
-                "entire_cosine": entire,
-                "single_cosine": single,
-            }
-        )
+        row = {
+            "op": float_ops[name],
+            "tensor": name,
+            "entire_cosine": entire,
+            "single_cosine": single,
+        }
+        if htp_runs is not None:
+            row["htp_cosine"] = (
+                min(
+                    cosine(ref[name], run[probes[name]])
+                    for ref, run in zip(reference, htp_runs, strict=True)
+                )
+                if name in probes
+                else None
+            )
+        table.append(row)
         if time.monotonic() - last >= PROGRESS_SECONDS:
             log(f"layer error: {k + 1} of {len(rows)} nodes")
             last = time.monotonic()
