@@ -188,8 +188,16 @@ def test_summary_carries_the_htp_column_beside_the_cpu_figures():
     assert summary["htp_cosine_after_layer"] == [[0, 0.99], [1, 0.90]]
     assert summary["entire_cosine_after_layer"] == [[0, 0.999], [1, 0.998]]
     assert summary["htp_cosine_at_chunk_end"] == [None]
+    # The kind whose HTP figure falls furthest below the fake quantization's comes first.
+    assert summary["htp_departs_by_kind"] == {
+        "/layers.N/mlp/down_proj/MatMul_output_0": {"layers": 2, "worst_gap": pytest.approx(0.098)}
+    }
     lines = layer_error.report_lines(summary, "Q/DQ model")
     assert any(line.endswith("single 0.99900, entire 0.99800, htp 0.90000") for line in lines)
+    assert (
+        "  htp departs: /layers.N/mlp/down_proj/MatMul_output_0: entire - htp up to 0.09800 over 2"
+        in lines
+    )
     assert lines[-1] == "  htp cosine after each decoder layer: 0:0.9900 1:0.9000"
     # Without the column (RKNN, or QNN's CPU figures only) the summary has no htp keys.
     cpu_only = [{k: v for k, v in r.items() if k != "htp_cosine"} for r in rows]

@@ -64,6 +64,18 @@ def summarize(tables: list[list[dict]], steps: list[int]) -> dict:
         summary[f"{key}_after_layer"] = [[i, after_layer[i]] for i in sorted(after_layer)]
         # Each chunk is fed fp32 inputs: its last row is what that chunk alone loses.
         summary[f"{key}_at_chunk_end"] = [table[-1].get(key) for table in tables if table]
+    if "htp" in columns:
+        # Where the HTP's execution departs from the fake quantization, by kind of layer.
+        departs = {}
+        for row in rows:
+            if row.get("htp_cosine") is not None:
+                gap = row["entire_cosine"] - row["htp_cosine"]
+                entry = departs.setdefault(kind(row["tensor"]), {"layers": 0, "worst_gap": gap})
+                entry["layers"] += 1
+                entry["worst_gap"] = max(entry["worst_gap"], gap)
+        summary["htp_departs_by_kind"] = dict(
+            sorted(departs.items(), key=lambda item: -item[1]["worst_gap"])
+        )
     return summary
 
 
@@ -88,6 +100,11 @@ def report_lines(summary: dict, tool: str) -> list[str]:
     for name, entry in list(summary["by_kind"].items())[:WORST_ROWS]:
         lines.append(
             f"  kind: {name}: worst single {entry['worst_single']:.5f} over {entry['layers']}"
+        )
+    for name, entry in list(summary.get("htp_departs_by_kind", {}).items())[:WORST_ROWS]:
+        lines.append(
+            f"  htp departs: {name}: entire - htp up to {entry['worst_gap']:.5f} "
+            f"over {entry['layers']}"
         )
     for column in ("entire", "htp"):
         ends = summary.get(f"{column}_cosine_at_chunk_end")
