@@ -165,6 +165,11 @@ def test_sha_is_equivalent_and_single_head(exports, case):
         assert n_softmax == heads * layers
         slices = [n for n in after.graph.node if n.op_type == "Slice" and "cache" in n.name]
         assert len(slices) == 2 * kv * layers
+        # A decode graph writes its one row per KV head with a Mul, never a MatMul of
+        # inner dimension 1 (which the HTP computes at about 8-bit precision).
+        writes = [n.op_type for n in after.graph.node if n.name.endswith("_write")]
+        op = "Mul" if meta["tokens_per_call"] == 1 else "MatMul"
+        assert writes == [op] * (2 * kv * layers)
 
 
 def shifted_head_columns(weight, bias, head, head_dim):

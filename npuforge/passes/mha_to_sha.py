@@ -450,7 +450,12 @@ def _emit_sha(m: _LayerMatch, float_dtype, opset: int) -> _Emitter:
             )
             head = e.op("Reshape", [head, e.ints("bld", [b, length, d])], f"{kind}cache{g}")
             kept = e.op("Mul", [head, keep], f"{kind}cache{g}_keep")
-            written = e.op("MatMul", [write, new[kind]], f"{kind}cache{g}_write")
+            # One token: the one-hot column times the new row, broadcast. The HTP runs a
+            # MatMul of inner dimension 1 on 16-bit activations at about 8-bit precision
+            # (docs/backends/qnn.md); a Mul keeps the row as quantized.
+            written = e.op(
+                "Mul" if t == 1 else "MatMul", [write, new[kind]], f"{kind}cache{g}_write"
+            )
             updated[kind].append(e.op("Add", [kept, written], f"{kind}cache{g}_new"))
     for kind in ("k", "v"):
         cache_out = m.caches[kind][1]
