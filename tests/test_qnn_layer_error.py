@@ -41,7 +41,9 @@ def _fake_quant(value, scale, zero, dtype):
     return ((steps - zero) * scale).astype(np.float32)
 
 
-def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
+def _quantized_mlp(tmp_path, seed, count):
+    """float.onnx and its Q/DQ model qdq.onnx (8-bit, onnxruntime's quantizer, calibrated
+    on the samples) in ``tmp_path``; returns the float weights and the samples."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -49,9 +51,9 @@ def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
         quantize_static,
     )
 
-    rng = np.random.default_rng(0)
-    float_w1, float_w2 = _mlp(tmp_path / "float.onnx", rng)
-    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(8)]
+    rng = np.random.default_rng(seed)
+    weights = _mlp(tmp_path / "float.onnx", rng)
+    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(count)]
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -65,6 +67,11 @@ def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
         quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8, per_channel=True,
     )  # fmt: skip
+    return weights, samples
+
+
+def test_entire_and_single_are_the_qdq_models_fake_quantization(tmp_path):
+    (float_w1, float_w2), samples = _quantized_mlp(tmp_path, seed=0, count=8)
     rows = qnn_layer_error.analyse(
         str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), samples[:3], tmp_path / "work"
     )
@@ -108,29 +115,8 @@ def test_htp_column_reads_each_value_through_its_own_quantizer(tmp_path):
     product reads as its QuantizeLinear/DequantizeLinear pair leaves it, the chunk output
     as it is, and the probes leave the model's own outputs alone."""
     import onnxruntime as ort
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
 
-    rng = np.random.default_rng(1)
-    _mlp(tmp_path / "float.onnx", rng)
-    samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(6)]
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.feeds = iter(samples)
-
-        def get_next(self):
-            return next(self.feeds, None)
-
-    quantize_static(
-        str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), Reader(),
-        quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
-        weight_type=QuantType.QInt8, per_channel=True,
-    )  # fmt: skip
+    _, samples = _quantized_mlp(tmp_path, seed=1, count=6)
     seen = []
 
     def on_cpu(model_path, feeds):

@@ -118,18 +118,13 @@ def layer_error_table(spec: dict, chunk: dict, graph: dict, inputs: list) -> dic
 def run_on_simulator(spec: dict, model_path: str, samples: list) -> list[dict]:
     """``model_path`` compiled alone for the spec's HTP and run on its simulator, once per
     sample; every output by name. For analysis only: the context is not kept."""
+    from qnn_layer_error import run_samples
+
     ort, devices, htp_library = register_qnn()
     options = provider_options(spec, htp_library)
     ctx = Path(model_path).with_name(Path(model_path).stem + "_ctx.onnx")
     generate_contexts(ort, devices, options, [(model_path, ctx)], share=False)
-    session = simulator_session(ort, devices, options, ctx)
-    names = [output.name for output in session.get_outputs()]
-    wanted = {item.name for item in session.get_inputs()}
-    runs = []
-    for feeds in samples:
-        values = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-        runs.append(dict(zip(names, values, strict=True)))
-    return runs
+    return run_samples(simulator_session(ort, devices, options, ctx), samples)
 
 
 def compile_chunk(spec: dict, chunk: dict) -> dict:

@@ -103,7 +103,12 @@ def probe_model(qdq_path: str, names: list, out_path: Path) -> dict:
 
 
 def _run_all(ort, path: str, samples: list) -> list[dict]:
-    session = _session(ort, path)
+    return run_samples(_session(ort, path), samples)
+
+
+def run_samples(session, samples: list) -> list[dict]:
+    """Every output of ``session`` by name, once per sample (feeds it does not take are
+    left out)."""
     names = [output.name for output in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
     runs = []
