@@ -21,6 +21,7 @@ and rewrites it as, for each query head h with kv head g = h // G::
     k_g = rope(x @ Wk[:, g] (+ bk[g]))                  v_g = x @ Wv[:, g] (+ bv[g])
     (Qwen3: an RMSNorm over head_dim between projection and rope, kept per head)
     kc_g = Slice(k_cache, g) * keep + write @ k_g       (likewise v; k_out = Concat_g kc_g)
+    (one token, T = 1: write * k_g, the same product broadcast: no MatMul of inner dim 1)
     o_h = Softmax(q_h @ kc_g^T + mask) @ vc_g           o_proj input = Concat_h o_h
 
 Every node of the attention scope must be accounted for by the match; anything
