@@ -448,6 +448,43 @@ def test_spec_roles_and_ctx_names(tmp_path):
         base.load_exports([prefill_dir], "qnn")
 
 
+def test_verification_calls_time_each_variant(tmp_path):
+    """The simulator's time per variant, per call and per token (the CPU standing in for
+    the HTP): where verification time goes decides how many tokens a call covers."""
+    import onnxruntime as ort
+    import qnn_session
+
+    exports = base.load_exports(
+        [
+            qnn_fixtures.make_export(tmp_path / "decode", chunks=2),
+            qnn_fixtures.make_export(tmp_path / "prefill", chunks=2, variant="prefill", tokens=4),
+        ],
+        "qnn",
+    )
+    schedule = base.verification_schedule(exports, 16)
+    calls = base.write_call_feeds(exports, schedule, list(range(17)), tmp_path)
+    spec = qnn_spec.build_spec(exports, {}, SM8650, "fp16", tmp_path / "o", tmp_path / "w", calls)
+    chains = spec["verify"]["chains"]
+    sessions = {
+        v: [ort.InferenceSession(c["source"]) for c in chain] for v, chain in chains.items()
+    }
+    seconds = {}
+    out = qnn_session.run_calls(sessions, chains, calls, seconds=seconds)
+    assert sorted(seconds) == ["decode", "prefill"] and all(t > 0 for t in seconds.values())
+    assert {len(rows) for rows in out.values()} == {16}  # 4 prefill rows, then 12 decode rows
+    line = qnn.simulator_time_line(
+        {
+            "simulator_seconds": 30.0,
+            "simulator_seconds_by_variant": {"decode": 24.0, "prefill": 6.0},
+        },
+        schedule,
+    )
+    assert line == (
+        "simulator verification: 30.0 s: decode 12 calls of 12 tokens 24.0 s (2.00 s per call, "
+        "2.00 s per token); prefill 1 call of 4 tokens 6.0 s (6.00 s per call, 1.50 s per token)"
+    )
+
+
 def test_spec_quantizes_each_variant_with_its_own_samples(tmp_path):
     from npuforge.calibration import calibrations_by_variant, make_calibration_samples
 

@@ -413,6 +413,20 @@ def produced_files(result) -> list[str]:
     return sorted({name for entry in result["chunks"] for name in entry["out_files"]})
 
 
+def simulator_time_line(run: dict, schedule) -> str:
+    """Where the simulator's time went, per variant: per call and per token."""
+    parts = []
+    for variant, seconds in sorted(run.get("simulator_seconds_by_variant", {}).items()):
+        calls = [call for call in schedule if call.variant == variant]
+        tokens, plural = sum(call.tokens for call in calls), "s" * (len(calls) != 1)
+        parts.append(
+            f"{variant} {len(calls)} call{plural} of {tokens} tokens {seconds:.1f} s "
+            f"({seconds / len(calls):.2f} s per call, {seconds / tokens:.2f} s per token)"
+        )
+    detail = f": {'; '.join(parts)}" if parts else ""
+    return f"simulator verification: {run['simulator_seconds']} s{detail}"
+
+
 def _verification(request, checked, result, stamp) -> dict:
     import numpy as np
 
@@ -430,9 +444,7 @@ def _verification(request, checked, result, stamp) -> dict:
             f"runner {list(reference.shape)}: the spec and the job disagree; rerun with one "
             "npuforge checkout"
         )
-    print(
-        f"simulator verification: {result['verification']['simulator_seconds']} s", file=sys.stderr
-    )
+    print(simulator_time_line(result["verification"], schedule), file=sys.stderr)
     verification = gate.verify(
         request, FLOORS, schedule, text, reference, compiled,
         runner=f"QNN HTP x86 simulator (onnxruntime-qnn {base.version(stamp, 'onnxruntime-qnn')})",

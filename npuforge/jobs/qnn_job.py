@@ -331,7 +331,8 @@ def verify(spec: dict, result: dict) -> dict:
         ]
         for variant, chain in chains.items()
     }
-    sim_out = run_calls(compiled, chains, calls, "HTP simulator calls run")
+    by_variant = {}
+    sim_out = run_calls(compiled, chains, calls, "HTP simulator calls run", by_variant)
     seconds = time.monotonic() - started
     arrays = {f"reference/{k}": v for k, v in ref_out.items()}
     arrays.update({f"compiled/{k}": v.astype(np.float32) for k, v in sim_out.items()})
@@ -345,6 +346,7 @@ def verify(spec: dict, result: dict) -> dict:
         "steps": int(verify_spec["steps"]),
         "calls": {v: variants.count(v) for v in sorted(set(variants))},
         "simulator_seconds": round(seconds, 3),
+        "simulator_seconds_by_variant": {v: round(t, 3) for v, t in sorted(by_variant.items())},
         "outputs": verify_spec["outputs"],
     }
 

@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from qnn_log import Progress, log
@@ -129,7 +130,9 @@ def cpu_session(ort, path: str):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run") -> dict:
+def run_calls(
+    sessions: dict, chains: dict, calls: list, what: str = "calls run", seconds: dict | None = None
+) -> dict:
     """Run a chunked recurrent graph chain call by call, as the spec's ``calls`` list them.
 
     ``chains[variant][i]`` lists chunk i's inputs ({name, role, output?, shape, dtype})
@@ -139,7 +142,8 @@ def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run"
     previous chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
     ``v_first_in`` <- ``v_first_out``); anything else is host-fed, read from the
     call's feeds file under ``chunk{i}/{name}``. Returns every other output as rows
-    of one token each (``[tokens, ...]``), calls concatenated.
+    of one token each (``[tokens, ...]``), calls concatenated. ``seconds``, when given,
+    gains each variant's wall time (where a simulator's time goes: per call, per token).
     """
     import numpy as np
 
@@ -147,6 +151,7 @@ def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run"
     collected = {}
     progress = Progress(what, len(calls))
     for call in calls:
+        started = time.monotonic()
         chain, chain_sessions = chains[call["variant"]], sessions[call["variant"]]
         with np.load(call["feeds"]) as stored:
             host = dict(stored)
@@ -184,6 +189,9 @@ def run_calls(sessions: dict, chains: dict, calls: list, what: str = "calls run"
                     # [B, T, ...] -> T rows: prefill and decode calls line up token by token.
                     rows = np.moveaxis(value, 1, 0).reshape(value.shape[1], -1)
                     collected.setdefault(out["name"], []).append(rows)
+        if seconds is not None:
+            variant = call["variant"]
+            seconds[variant] = seconds.get(variant, 0.0) + time.monotonic() - started
         progress.step()
     return {name: np.concatenate(arrays) for name, arrays in collected.items()}
 
