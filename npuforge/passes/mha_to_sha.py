@@ -21,7 +21,8 @@ and rewrites it as, for each query head h with kv head g = h // G::
     k_g = rope(x @ Wk[:, g] (+ bk[g]))                  v_g = x @ Wv[:, g] (+ bv[g])
     (Qwen3: an RMSNorm over head_dim between projection and rope, kept per head)
     kc_g = Slice(k_cache, g) * keep + write @ k_g       (likewise v; k_out = Concat_g kc_g)
-    (one token, T = 1: write * k_g, the same product broadcast: no MatMul of inner dim 1)
+    (one token, T = 1: write * k_g, the same product broadcast: no MatMul of inner dim 1;
+    several: (k_g^T @ write^T)^T, the one-hot the MatMul's second input)
     o_h = Softmax(q_h @ kc_g^T + mask) @ vc_g           o_proj input = Concat_h o_h
 
 Every node of the attention scope must be accounted for by the match; anything
@@ -396,6 +397,9 @@ def _emit_sha(m: _LayerMatch, float_dtype, opset: int) -> _Emitter:
     sin = e.op("Reshape", [m.sin, e.ints("btd", [b, t, d])], "sin")
     write = e.op("Reshape", [m.write, e.ints("blt", [b, length, t])], "write")
     keep = e.op("Reshape", [m.keep, e.ints("bl1", [b, length, 1])], "keep")
+    # The HTP cuts a MatMul's second 16-bit activation to about 8 bits: several rows are
+    # written as (rows^T @ write^T)^T, where that input is the one-hot, exact in 8 bits.
+    write_t = write if t == 1 else e.op("Transpose", [write], "write_t", perm=[0, 2, 1])
     mask = e.op("Reshape", [m.mask, e.ints("btl", [b, t, length])], "mask")
     first_half = (e.ints("zero", [0]), e.ints("half", [d // 2]))
     second_half = (e.ints("half", [d // 2]), e.ints("full", [d]))
@@ -451,12 +455,14 @@ def _emit_sha(m: _LayerMatch, float_dtype, opset: int) -> _Emitter:
             )
             head = e.op("Reshape", [head, e.ints("bld", [b, length, d])], f"{kind}cache{g}")
             kept = e.op("Mul", [head, keep], f"{kind}cache{g}_keep")
-            # One token: the one-hot column times the new row, broadcast. The HTP runs a
-            # MatMul of inner dimension 1 on 16-bit activations at about 8-bit precision
-            # (docs/backends/qnn.md); a Mul keeps the row as quantized.
-            written = e.op(
-                "Mul" if t == 1 else "MatMul", [write, new[kind]], f"{kind}cache{g}_write"
-            )
+            # One token: the one-hot column times the new row, broadcast (no MatMul of
+            # inner dimension 1; docs/backends/qnn.md).
+            if t == 1:
+                written = e.op("Mul", [write, new[kind]], f"{kind}cache{g}_write")
+            else:
+                rows_t = e.op("Transpose", [new[kind]], f"{kind}{g}_rows_t", perm=[0, 2, 1])
+                written_t = e.op("MatMul", [rows_t, write_t], f"{kind}cache{g}_write")
+                written = e.op("Transpose", [written_t], f"{kind}cache{g}_written", perm=[0, 2, 1])
             updated[kind].append(e.op("Add", [kept, written], f"{kind}cache{g}_new"))
     for kind in ("k", "v"):
         cache_out = m.caches[kind][1]
