@@ -89,10 +89,12 @@ def test_support_matrix_states_come_from_the_data():
     # (integer precisions), and nothing else.
     model = yaml.safe_load((REPO / "config" / "models.yaml").read_text())["smollm2-135m"]
     twin = "smollm2-135m-permuted"
-    # a16w8 passes on the original since its KV rows are written with a Mul (2026-12-03,
-    # 0.984), and still fails on the twin (not rebuilt since): not built for the model.
+    # a16w8 passes on both since the KV rows are written with a Mul (2026-12-03: 0.984 and
+    # 0.969): built for the model.
     assert status("SM8650", "a16w8")[0] == "passes"
-    assert docs_tables.twin_status(data["builds"], twin, "SM8650", "a16w8").startswith("**fails")
+    assert docs_tables.twin_status(data["builds"], twin, "SM8650", "a16w8") == (
+        "passes, on its permuted twin too"
+    )
     # A 4-bit build exact on the GGUF's blocks is built for this model whatever the twin
     # did (issue 41: the lever is a real feature for GGUF inputs); the matrix shows both.
     assert status("BM1688", "w4f16")[0].startswith("passes, 4-bit exact by construction")
