@@ -515,6 +515,55 @@ def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tm
             assert np.abs(steps * scale - column).max() <= 1e-6 * np.abs(column).max(), name
 
 
+GPTQ_DIGEST = """
+import hashlib, sys
+import numpy as np
+from npuforge.models.llama import rounding
+from npuforge.models.llama.config import load_config
+from npuforge.models.llama.model import build_model
+from npuforge.models.llama.weights import load_state_dict
+from npuforge.quantization import WeightGrid
+cfg = load_config(sys.argv[1])
+model = build_model(cfg, load_state_dict(sys.argv[1]), 256)
+rng = np.random.default_rng(0)
+texts = [list(rng.integers(0, cfg.vocab_size, 128)) for _ in range(8)]
+rounding.round_decoder(model, texts, [1], WeightGrid(4, 16), "gptq")
+digest = hashlib.sha256()
+for name, value in sorted(model.layers.state_dict().items()):
+    digest.update(value.numpy().tobytes())
+print(digest.hexdigest())
+"""
+# The CPU kernels' plainest paths: torch's unvectorised ones, MKL's and oneDNN's SSE4.
+PLAIN_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+}
+
+
+def test_gptq_rounds_the_same_on_any_hosts_kernels(checkpoints):
+    """GPTQ on this host's vectorised kernels and on the plainest ones gives the same
+    weights: its Hessians come from a float64 forward, where the kernels' last-bit
+    differences (float32: enough to flip roundings that cascade through the error
+    feedback; on SmolLM2's twin, top-1 0.76-0.875 between hosts) stay far below any
+    rounding boundary."""
+    import os
+    import subprocess
+    import sys
+
+    digests = set()
+    for caps in ({}, PLAIN_KERNELS):
+        run = subprocess.run(
+            [sys.executable, "-c", GPTQ_DIGEST, str(checkpoints["llama"])],
+            env={**os.environ, **caps},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        digests.add(run.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
+
+
 def test_gptq_option_matches_its_grid_to_the_export_split():
     from npuforge.models import llama
 
