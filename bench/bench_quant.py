@@ -38,6 +38,7 @@ The checkpoints are made by the workflow (fetch, dequantize, permute) into --res
 
 import argparse
 import copy
+import dataclasses
 import multiprocessing
 import subprocess
 import sys
@@ -238,17 +239,20 @@ def run_model(model_id, model_dir, args, rows):
     for row in rows:
         name, _, lever = row.partition(":")
         grid = grids()[name]
-        rotate, gptq = lever in ("rotation", "rotation+gptq"), "gptq" in lever
+        rotate, gptq = lever.startswith("rotation"), "gptq" in lever
+        searched = dataclasses.replace(grid, search_range=lever.endswith("range"))
         start = time.perf_counter()
-        # The export: fp32 weights (the backend rounds them), or GPTQ's rounding.
+        # The export: fp32 weights (the backend rounds them), or the export's own rounding
+        # (GPTQ's, or to nearest on searched ranges).
         export = bases[rotate]
-        if gptq:
-            export = exports.get((grid, rotate))
+        if gptq or searched.search_range:
+            export = exports.get((searched, rotate, gptq))
             if export is None:
                 export = copy.deepcopy(bases[rotate])
-                rounding.round_decoder(export, sequences, PREFIX, grid, "gptq")
+                method = "gptq" if gptq else "nearest"
+                rounding.round_decoder(export, sequences, PREFIX, searched, method)
                 if name.startswith("w8a8"):
-                    exports[(grid, rotate)] = export
+                    exports[(searched, rotate, gptq)] = export
         caches = base_caches[rotate]
         quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
@@ -289,6 +293,9 @@ LEVER_SETTINGS = {
     "rotation": "rotation",
     "gptq": "GPTQ",
     "rotation+gptq": "rotation + GPTQ",
+    "range": "round to nearest, range searched",
+    "gptq+range": "GPTQ, range searched",
+    "rotation+gptq+range": "rotation + GPTQ, range searched",
 }
 
 
@@ -329,7 +336,7 @@ def record(path, results, models, argv) -> list[str]:
 ALL_ROWS = [
     f"{grid}:{lever}"
     for grid in ("8bit-channel", "4bit-g32", "4bit-g64", "w8a8", "w8a8-rk3588")
-    for lever in ("nearest", "rotation", "gptq", "rotation+gptq")
+    for lever in LEVER_SETTINGS
 ]
 
 

@@ -39,6 +39,8 @@ DAMP = 0.01
 # Columns rounded between two updates of the rest (GPTQ's lazy batch), rounded down to a
 # multiple of the group.
 BLOCK = 128
+# The fractions of a row's (group's) full range that ``search_range`` tries.
+RANGE_FRACTIONS = tuple(1 - i / 100 for i in range(51))
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class WeightGrid:
     group: int | None = None  # inputs per step and offset; None: one per output row
     symmetric: bool = False
     integer_zero: bool = False  # asymmetric over a range holding 0, which is a level
+    # Each row's (group's) range narrowed to the one that rounds it with the least
+    # error (``_narrowed``), the weights beyond it clipped to the end levels.
+    search_range: bool = False
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 5, 6, 7, 8):
@@ -69,7 +74,8 @@ class WeightGrid:
         if self.integer_zero:
             kind += " with an integer zero point"
         where = f"groups of {self.group}" if self.group else "per output channel"
-        return f"{self.bits}-bit {kind}, {where}"
+        searched = ", range searched" if self.search_range else ""
+        return f"{self.bits}-bit {kind}, {where}{searched}"
 
 
 def _check_shape(weight, grid):
@@ -85,12 +91,16 @@ def _check_shape(weight, grid):
 class _Span:
     """Step, offset and pinned extremes of the rows of one group of columns [rows, g]."""
 
-    def __init__(self, block: torch.Tensor, grid: WeightGrid, pin: bool = True):
+    def __init__(self, block: torch.Tensor, grid: WeightGrid, pin: bool = True, importance=None):
         low, high = grid.levels
         self.low, self.high = low, high
-        # Pins: (column, level, rows it applies to) per extreme.
+        # Pins: (column, level, rows it applies to) per extreme. A searched range keeps
+        # them: the elements that set the full range lie beyond the narrowed one, so they
+        # round to its end levels, and the exported row again spans the grid exactly.
         if grid.symmetric:
             magnitude, where = block.abs().max(1)
+            if grid.search_range:
+                magnitude = _narrowed(block, grid, importance, magnitude=magnitude)[1]
             self.step = magnitude / high
             self.offset = torch.zeros_like(magnitude)
             sign = torch.sign(block.gather(1, where[:, None])[:, 0])
@@ -100,6 +110,8 @@ class _Span:
         else:
             minimum, at_min = block.min(1)
             maximum, at_max = block.max(1)
+            if grid.search_range:
+                minimum, maximum = _narrowed(block, grid, importance, minimum, maximum)
             every = torch.ones_like(at_min, dtype=torch.bool)
             low_pin, high_pin = every, every
             if grid.integer_zero:
@@ -141,6 +153,45 @@ class _Span:
             levels = torch.where(hit, level.to(levels.dtype), levels)
         levels = torch.where(self.constant, self.rest, levels)
         return self.offset + levels * self.step
+
+
+def _narrowed(block, grid, importance, minimum=None, maximum=None, magnitude=None):
+    """Per row of ``block`` [rows, g]: the range among ``RANGE_FRACTIONS`` of the full one
+    whose rounding (weights beyond it clipped to the end levels) has the least squared
+    error, each column weighted by ``importance`` [g] (the Hessian's diagonal: the energy
+    of that input; None: equal). Returns (minimum, maximum) narrowed about the centre
+    (symmetric: about 0; ``integer_zero``: towards 0, which stays on a level)."""
+    low, high = grid.levels
+    if grid.symmetric:
+        minimum, maximum = -magnitude, magnitude
+    elif grid.integer_zero:
+        minimum, maximum = minimum.clamp(max=0), maximum.clamp(min=0)
+    centre = torch.zeros_like(minimum) if grid.integer_zero else (minimum + maximum) / 2
+    weights = None if importance is None else importance.to(block.dtype)
+    best_error = best_low = best_high = None
+    for fraction in RANGE_FRACTIONS:  # one pass per fraction: the rows stay in cache
+        lows = centre + (minimum - centre) * fraction
+        highs = centre + (maximum - centre) * fraction
+        step = (highs - lows) / (high - low)
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        offset = lows
+        if grid.symmetric:
+            offset = torch.zeros_like(lows)
+        elif grid.integer_zero:
+            offset = -torch.round(-lows / safe) * safe
+        levels = torch.clamp(torch.round((block - offset[:, None]) / safe[:, None]), low, high)
+        error = (offset[:, None] + levels * safe[:, None] - block).square_()
+        if weights is not None:
+            error.mul_(weights)
+        error = error.sum(1)
+        if best_error is None:
+            best_error, best_low, best_high = error, lows, highs
+            continue
+        better = error < best_error  # the first (widest) of equal errors stays
+        best_error = torch.where(better, error, best_error)
+        best_low = torch.where(better, lows, best_low)
+        best_high = torch.where(better, highs, best_high)
+    return best_low, best_high
 
 
 def round_to_nearest(weight: torch.Tensor, grid: WeightGrid) -> torch.Tensor:
@@ -190,10 +241,11 @@ def gptq(
         )
     width = grid.group or columns
     order = torch.arange(columns)
+    energy = torch.diagonal(hessian).double()  # weighs each input in a range search
     if act_order:
         order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
         spans = [
-            _Span(weight.detach().double()[:, g : g + width], grid, pin)
+            _Span(weight.detach().double()[:, g : g + width], grid, pin, energy[g : g + width])
             for g in range(0, columns, width)
         ]
     w = weight.detach().double()[:, order].clone()
@@ -201,7 +253,7 @@ def gptq(
     out = torch.empty_like(w)
     aligned = grid.group and not act_order
     block = max(width, (BLOCK // width) * width) if aligned else BLOCK
-    span = None if grid.group else _Span(w, grid, pin)
+    span = None if grid.group else _Span(w, grid, pin, energy[order])
     for start in range(0, columns, block):
         end = min(start + block, columns)
         part, errors = w[:, start:end].clone(), torch.zeros_like(w[:, start:end])
@@ -212,7 +264,7 @@ def gptq(
                 span = spans[column // width]
             elif grid.group and column % width == 0:
                 # The group's grid, from its columns as the feedback has left them.
-                span = _Span(part[:, j : j + width], grid, pin)
+                span = _Span(part[:, j : j + width], grid, pin, energy[column : column + width])
             rounded = span.round(part[:, j], column % width)
             out[:, start + j] = rounded
             error = (part[:, j] - rounded) / local[j, j]

@@ -389,6 +389,56 @@ def test_gptq_with_an_identity_hessian_rounds_to_nearest():
         assert gptq(w, torch.eye(64, dtype=torch.float64), grid).equal(round_to_nearest(w, grid))
 
 
+@pytest.mark.parametrize(
+    "grid_args, most",
+    [((4, 32), 0.75), ((4, None, True), 0.97), ((3, 8), 0.65), ((8, None, False, True), 1.0)],
+)  # fmt: skip
+def test_a_searched_range_rounds_with_less_error_and_the_backend_derives_it_again(grid_args, most):
+    """Heavy-tailed rows (Student's t, 2 degrees of freedom): the searched range rounds
+    every row (group) with no more squared error than its full range, and the whole matrix
+    with at most ``most`` of it (measured 0.70, 0.95, 0.59; 8 bits keep the full range:
+    a clipped tail costs more than 256 levels lose). The exported rows span the narrowed
+    grid exactly, so a backend deriving its grid from their extremes rounds them to
+    themselves, by nearest and by GPTQ alike."""
+    import dataclasses
+
+    import torch
+
+    from npuforge.quantization import WeightGrid, gptq, round_to_nearest
+
+    full = WeightGrid(*grid_args)
+    searched = dataclasses.replace(full, search_range=True)
+    _, h = _correlated_problem(3, rows=12, columns=64)
+    w = torch.from_numpy(np.random.default_rng(3).standard_t(2, size=(12, 64)))
+    plain, narrowed = round_to_nearest(w, full), round_to_nearest(w, searched)
+    width = full.group or 64
+    error_plain = ((plain - w) ** 2).reshape(12, -1, width).sum(-1)
+    error_narrowed = ((narrowed - w) ** 2).reshape(12, -1, width).sum(-1)
+    assert (error_narrowed <= error_plain + 1e-12).all()
+    assert error_narrowed.sum() <= most * error_plain.sum()
+    for rounded in (narrowed, gptq(w, h, searched)):
+        assert (round_to_nearest(rounded, full) - rounded).abs().max() < 1e-9
+    assert searched.describe().endswith("range searched")
+    if most < 1:
+        assert not gptq(w, h, searched).equal(gptq(w, h, full))
+
+
+def test_a_searched_range_weighs_each_input_by_its_energy():
+    """Two inputs of a 4-bit row, one carrying 1000x the other's energy: the range is
+    chosen for the loud input's error, not the sum of both."""
+    import torch
+
+    from npuforge.quantization import WeightGrid, _Span
+
+    row = torch.tensor([[0.0, 0.37, 1.0, -1.0, 0.5, 0.2, -0.66, 0.9]], dtype=torch.float64)
+    grid = WeightGrid(4, search_range=True)
+    energy = torch.ones(8, dtype=torch.float64)
+    even = _Span(row, grid, importance=energy).round_all(row)
+    energy[1] = 1000.0
+    loud = _Span(row, grid, importance=energy).round_all(row)
+    assert abs(loud[0, 1] - 0.37) < abs(even[0, 1] - 0.37)
+
+
 def _tpu_mlir_w4_group(weight, group):
     """TPU-MLIR's W4F16 group quantizer (A16MatMul's per-group parameters), dequantized:
     per group, scale max(max - min, 1e-5) / 15, integer zero point clamp(-round(min /

@@ -114,6 +114,8 @@ def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:
         option["integer_zero"] = True
     if group is not None:
         option["group"] = int(group)
+    if spec.get("search_range"):
+        option["search_range"] = True
     return option
 
 

@@ -252,6 +252,7 @@ def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -
         options.get("group"),
         bool(options["symmetric"]),
         bool(options.get("integer_zero", False)),
+        bool(options.get("search_range", False)),
     )
     names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
     record = rounding.round_decoder(model, sequences, prefix, grid, names=names)
@@ -388,10 +389,10 @@ def export_llama(
     rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
     norms folded, the residual stream, V per head and down_proj's input (online, a
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
-    gptq: {"bits", "group", "symmetric", "integer_zero", "text"}: the decoder projections (with
-    block_centres: the MLP's, the ones a block quantizer takes) rounded by GPTQ onto that
-    grid from the calibration text (``npuforge.models.llama.rounding``), after any
-    rotation and before any split.
+    gptq: {"bits", "group", "symmetric", "integer_zero", "search_range", "text"}: the
+    decoder projections (with block_centres: the MLP's, the ones a block quantizer takes)
+    rounded by GPTQ onto that grid from the calibration text
+    (``npuforge.models.llama.rounding``), after any rotation and before any split.
     """
     import torch
 
