@@ -9,7 +9,8 @@ on) after the kv_prefix <|im_start|>, every decoder matmul's weights fake-quanti
           W4F16 with group_offsets and QNN's int4 blocks with block_centres see them)
   levers  round to nearest; rotation (npuforge.models.llama.rotation); GPTQ
           (npuforge.models.llama.rounding, on the project's calibration text);
-          rotation then GPTQ
+          rotation then GPTQ; "range": each row's (group's) range searched
+          (npuforge.quantization, search_range) for round to nearest or GPTQ
   w8a8    8-bit weights on RKNN's grid (asymmetric per output channel, zero on a level)
           plus every decoder matmul's input at 8 bits per tensor (zero on a level, as
           every backend's activation quantizer has it), ranges from the calibration

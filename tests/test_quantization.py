@@ -630,6 +630,9 @@ def test_gptq_option_matches_its_grid_to_the_export_split():
         llama.export_options(model, export, "a16w4")
     export = {"gptq": {"w8a8": {"bits": 8, "symmetric": False, "integer_zero": True}}}
     assert llama.export_options(model, export, "w8a8")["gptq"]["integer_zero"] is True
+    assert "search_range" not in llama.export_options(model, export, "w8a8")["gptq"]
+    export["gptq"]["w8a8"]["search_range"] = True
+    assert llama.export_options(model, export, "w8a8")["gptq"]["search_range"] is True
     export["gptq"]["w8a8"]["symmetric"] = True
     with pytest.raises(NpuforgeError, match="integer_zero is an asymmetric grid"):
         llama.export_options(model, export, "w8a8")
