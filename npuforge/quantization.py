@@ -101,8 +101,7 @@ class _Span:
             magnitude, where = block.abs().max(1)
             if grid.search_range:
                 magnitude = _narrowed(block, grid, importance, magnitude=magnitude)[1]
-            self.step = magnitude / high
-            self.offset = torch.zeros_like(magnitude)
+            self.step, self.offset = _step_and_offset(-magnitude, magnitude, grid)
             sign = torch.sign(block.gather(1, where[:, None])[:, 0])
             # The largest magnitude keeps its end level (its sign's end).
             level = torch.where(sign < 0, low, high)
@@ -118,11 +117,7 @@ class _Span:
                 # The range holds 0; an extreme on the zero's side has no level to keep.
                 low_pin, high_pin = minimum < 0, maximum > 0
                 minimum, maximum = minimum.clamp(max=0), maximum.clamp(min=0)
-            self.step = (maximum - minimum) / (high - low)
-            self.offset = minimum
-            if grid.integer_zero:
-                safe = torch.where(self.step > 0, self.step, torch.ones_like(self.step))
-                self.offset = -torch.round(-minimum / safe) * safe
+            self.step, self.offset = _step_and_offset(minimum, maximum, grid)
             self.pins = [
                 (at_min, torch.full_like(at_min, low), low_pin),
                 (at_max, torch.full_like(at_max, high), high_pin),
@@ -155,6 +150,20 @@ class _Span:
         return self.offset + levels * self.step
 
 
+def _step_and_offset(minimum, maximum, grid):
+    """The asymmetric grid's step over [minimum, maximum] (0 for a constant row) and its
+    offset: the minimum, or with ``integer_zero`` (a range holding 0) the minimum moved
+    onto the level of 0; symmetric (minimum = -maximum): maximum / top, offset 0."""
+    low, high = grid.levels
+    if grid.symmetric:
+        return maximum / high, torch.zeros_like(maximum)
+    step = (maximum - minimum) / (high - low)
+    if not grid.integer_zero:
+        return step, minimum
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    return step, -torch.round(-minimum / safe) * safe
+
+
 def _narrowed(block, grid, importance, minimum=None, maximum=None, magnitude=None):
     """Per row of ``block`` [rows, g]: the range among ``RANGE_FRACTIONS`` of the full one
     whose rounding (weights beyond it clipped to the end levels) has the least squared
@@ -172,13 +181,8 @@ def _narrowed(block, grid, importance, minimum=None, maximum=None, magnitude=Non
     for fraction in RANGE_FRACTIONS:  # one pass per fraction: the rows stay in cache
         lows = centre + (minimum - centre) * fraction
         highs = centre + (maximum - centre) * fraction
-        step = (highs - lows) / (high - low)
+        step, offset = _step_and_offset(lows, highs, grid)
         safe = torch.where(step > 0, step, torch.ones_like(step))
-        offset = lows
-        if grid.symmetric:
-            offset = torch.zeros_like(lows)
-        elif grid.integer_zero:
-            offset = -torch.round(-lows / safe) * safe
         levels = torch.clamp(torch.round((block - offset[:, None]) / safe[:, None]), low, high)
         error = (offset[:, None] + levels * safe[:, None] - block).square_()
         if weights is not None:
