@@ -212,6 +212,32 @@ def test_fp16_fixes_prevent_overflow_on_stress_checkpoint(tmp_path, synth, versi
     )
 
 
+def test_fp32_graphs_carry_the_fp16_fixes_the_npus_compute_them_with(tmp_path, synth):
+    # The HTP, RKNN and TPU-MLIR compute an fp32 graph in fp16 at their fp16 precisions:
+    # its weights must be the fp16 graph's (fixes folded in), and still exact in fp32.
+    stress = synth(version=7, seed=2, stress=True, vocab=4096)
+    export_rwkv(stress, tmp_path / "fp32")
+    export_rwkv(stress, tmp_path / "fp16", dtype="fp16")
+    export_rwkv(stress, tmp_path / "plain", fp16_fixes=False)
+    fixed = GraphChain(tmp_path / "fp32").meta["options"]
+    assert fixed["fp16_fixes"] and fixed["rescale_every"] == 1 and fixed["wkv_scale"] == 8.0
+    assert GraphChain(tmp_path / "plain").meta["options"]["rescale_every"] == 0
+
+    def weights(name):
+        graph = onnx.load(tmp_path / name / "chunk0.onnx").graph
+        return {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+
+    full, half, plain = weights("fp32"), weights("fp16"), weights("plain")
+    assert full.keys() == half.keys() and len(full) > 10
+    for name, value in full.items():
+        assert np.array_equal(value.astype(np.float16), half[name]), name
+    assert any(not np.array_equal(full[name], plain[name]) for name in full)
+    tokens = seeded_tokens(4096, 1, 16)
+    with_fixes = GraphChain(tmp_path / "fp32").run(tokens)[0]
+    without = GraphChain(tmp_path / "plain").run(tokens)[0]
+    assert relative(with_fixes, without) < 1e-4
+
+
 def test_the_family_comes_from_the_registry_and_foreign_options_are_refused(tmp_path, v7):
     with pytest.raises(NpuforgeError, match="unknown model family 'gpt2'"):
         models.export("gpt2", v7, tmp_path / "out", {"variant": "decode"})

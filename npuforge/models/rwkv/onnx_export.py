@@ -116,7 +116,9 @@ def export_rwkv(
         raise NpuforgeError("--tokens and --batch must be at least 1")
     ckpt = load(checkpoint)
     cfg = ckpt.config
-    fixes = fp16_fixes and dtype == "fp16"
+    # The NPUs compute fp32 graphs in fp16 at their fp16 precisions (HTP, RKNN,
+    # TPU-MLIR) and the fixes are exact in fp32: they follow fp16_fixes, not dtype.
+    fixes = bool(fp16_fixes)
     if rescale_every is None:
         rescale_every = default_rescale_every(cfg.n_layers) if fixes else 0
     if wkv_scale is None:
