@@ -319,10 +319,12 @@ def test_precision_checks():
 def test_gate_hint_suggests_only_the_algorithms_not_in_use():
     for algorithm in rknn.QUANTIZED_ALGORITHMS:
         options = rknn.Options(target_platform="rk3588", quantized_algorithm=algorithm)
-        hint = rknn.gate_hint(options)
+        hint = rknn.gate_hint(options, "w8a8")
         suggested = hint.split(",")[0]
         assert algorithm not in suggested
         assert all(a in suggested for a in rknn.QUANTIZED_ALGORITHMS if a != algorithm)
+        # An fp16 build has no quantization to tune.
+        assert "quantized_algorithm" not in rknn.gate_hint(options, "fp16")
 
 
 def test_float16_selection_is_checked():

@@ -112,8 +112,13 @@ class Options(base.CommonOptions):
         return self.target_platform.lower()
 
 
-def gate_hint(options: Options) -> str:
-    """What to try when a quantized binary fails its gate (the algorithms not tried yet)."""
+def gate_hint(options: Options, precision: str) -> str:
+    """What to try when a binary fails its gate (quantized: the algorithms not tried yet)."""
+    if precision == "fp16":
+        return (
+            "fp16 has nothing to calibrate: keep the export's fp16_fixes on (a trained Llama "
+            "also needs a kv_prefix, docs/models.md)"
+        )
     others = [a for a in QUANTIZED_ALGORITHMS if a != options.quantized_algorithm]
     return (
         f"try quantized_algorithm {' or '.join(others)}, more calibration samples, a "
@@ -455,7 +460,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             target,
             precision,
             verification,
-            gate_hint(options),
+            gate_hint(options, precision),
         )
     finished.clear()
     return record
