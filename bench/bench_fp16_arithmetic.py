@@ -7,6 +7,13 @@ per decode position the logits' cosine against fp32, the worst and mean, and top
 agreement. An NPU's fp16 binary cannot be expected to do better than the fp16 row with
 the fixes, which the exporter folds into every graph.
 
+Then, for position 0, every head's group norm (``ln_x``) in both runs: from the zero
+state a head's wkv output there is one outer product, (r.k) v, which the group norm
+scales back to unit variance, so the head's output is sign(r.k) times v normalised
+whatever |r.k| is, until |r.k|^2 var(v) nears the norm's eps. A head whose r.k is near
+zero can change sign under fp16 rounding and put a full-size error into the stream; the
+bench counts such heads and prints the worst with their input variance against eps.
+
     python bench/bench_fp16_arithmetic.py --model rwkv7-1.5b-shape [--steps 16]
         [--work /tmp/npuforge-bench-fp16] [--record docs/data/benches.yaml]
 
@@ -44,7 +51,9 @@ def checkpoint_for(args) -> Path:
 
 
 def run_logits(ckpt, tokens, dtype: str, fixes: bool):
-    """Logits per position ([steps, vocab], float64) of the whole model in ``dtype``."""
+    """Logits per position ([steps, vocab], float64) of the whole model in ``dtype``, and
+    every group norm's input and output at position 0 ([heads, N] float64 each, per layer,
+    with the eps in fp32 units)."""
     import numpy as np
     import torch
 
@@ -63,6 +72,17 @@ def run_logits(ckpt, tokens, dtype: str, fixes: bool):
         wkv_v_scale=v_scale,
     )
     module = layout.load_weights(RwkvChunk(spec).eval(), ckpt)
+    group_norm, first_position = module.group_norm, []
+
+    def recording_group_norm(y, weight, bias, eps):
+        out = group_norm(y, weight, bias, eps)
+        if len(first_position) < cfg.n_layers:
+            rescale = spec.wkv_scale**2  # the fixes scale the wkv output and eps alike
+            rows = [t.double().reshape(-1, cfg.head_size).numpy() for t in (y, out)]
+            first_position.append((rows[0] * spec.wkv_scale, rows[1], eps * rescale))
+        return out
+
+    module.group_norm = recording_group_norm
     inputs, _ = layout.io_specs(spec)
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
     states = [torch.zeros(i["shape"], dtype=torch_dtype) for i in inputs if i["role"] == "state"]
@@ -75,7 +95,29 @@ def run_logits(ckpt, tokens, dtype: str, fixes: bool):
                   f"{len(tokens)} ({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
     del module
     gc.collect()
-    return np.stack(rows)
+    return np.stack(rows), first_position
+
+
+def heads_at_position_0(reference, found) -> dict:
+    """Per head: cosine of the group norm's output against fp32's, and the variance of
+    its fp32 input; the heads sorted worst first."""
+    import numpy as np
+
+    heads = []
+    for layer, ((y32, out32, eps), (_, out16, _)) in enumerate(zip(reference, found, strict=True)):
+        cosine = (out32 * out16).sum(1) / (
+            np.linalg.norm(out32, axis=1) * np.linalg.norm(out16, axis=1)
+        )
+        heads += [(float(c), layer, h, float(y32[h].var()), eps) for h, c in enumerate(cosine)]
+    heads.sort()
+    cosines = np.array([h[0] for h in heads])
+    return {
+        "heads": len(heads),
+        "below 0.99": int((cosines < 0.99).sum()),
+        "sign flipped": int((cosines < 0).sum()),
+        "median variance": float(np.median([h[3] for h in heads])),
+        "worst": heads[:5],
+    }
 
 
 def compare(reference, logits) -> dict:
@@ -108,10 +150,12 @@ def main() -> int:
     path = checkpoint_for(args)
     ckpt = load(path)
     tokens = seeded_tokens(ckpt.config.vocab_size, 1, args.steps)[0]
-    reference = run_logits(ckpt, tokens, "fp32", False)
-    found = {}
+    reference, reference_norms = run_logits(ckpt, tokens, "fp32", False)
+    found, heads = {}, {}
     for fixes in (True, False):
-        found[fixes] = compare(reference, run_logits(ckpt, tokens, "fp16", fixes))
+        logits, norms = run_logits(ckpt, tokens, "fp16", fixes)
+        found[fixes] = compare(reference, logits)
+        heads[fixes] = heads_at_position_0(reference_norms, norms)
     name = args.model if not args.checkpoint else path.name
     print(f"\n{name}: logits cosine against fp32 per position, {args.steps} decode steps")
     for fixes, figures in found.items():
@@ -119,6 +163,15 @@ def main() -> int:
         print(f"{label:22} worst {figures['worst']:.6f} mean {figures['mean']:.6f} "
               f"top-1 {figures['top1']} nan/inf {figures['nan_inf']}")  # fmt: skip
         print("  " + " ".join(f"{c:.5f}" for c in figures["cosines"]))
+    print("\nposition 0, each head's group norm (ln_x) output against fp32's:")
+    for fixes, figures in heads.items():
+        label = "fp16 with the fixes" if fixes else "fp16 without them"
+        print(f"{label:22} {figures['below 0.99']} of {figures['heads']} heads below cosine "
+              f"0.99, {figures['sign flipped']} with their sign flipped; median input "
+              f"variance {figures['median variance']:.3g}")  # fmt: skip
+        for cosine, layer, head, variance, eps in figures["worst"]:
+            print(f"  layer {layer:2d} head {head:2d}: cosine {cosine:+.5f}, input variance "
+                  f"{variance:.3g} (eps {eps:.3g})")  # fmt: skip
     if args.record:
         from npuforge.measurements import record_bench_rows
 
@@ -139,6 +192,7 @@ def main() -> int:
                     "position 1": figures["cosines"][1],
                     "from position 3": min(figures["cosines"][3:]),
                     "top-1": figures["top1"],
+                    "heads flipped at position 0": heads[fixes]["sign flipped"],
                 },
                 "date": datetime.date.today().isoformat(),
                 "commit": commit,
