@@ -92,6 +92,27 @@ def test_a_failed_check_names_the_first_misses_and_counts_the_rest():
     assert named.count("(") == gate.MISSES_NAMED and "\n" not in message
 
 
+def test_a_failed_cosine_names_its_worst_position_and_the_mean():
+    rng = np.random.default_rng(2)
+    reference = rng.standard_normal((8, 50)).astype(np.float32)
+    compiled = reference.copy()
+    compiled[5] += rng.standard_normal(50).astype(np.float32) * 0.2
+    record = _record(reference, compiled, {"min_cosine": 0.9999})
+    assert record["worst_cosine_position"] == 5
+    with pytest.raises(NpuforgeError) as failed:
+        gate.check_gate("SM8650", "fp16", record, gate.FP16_HINT)
+    message = str(failed.value)
+    assert f"the worst cosine at position 5, the mean {record['cosine_mean']}" in message
+    assert "\n" not in message and message.endswith(gate.FP16_HINT)
+    # A check that fails on top-1 alone does not point at a cosine position.
+    flipped = reference.copy()
+    flipped[2] = -flipped[2]
+    record = _record(reference, flipped, {"min_top1": 0.99})
+    with pytest.raises(NpuforgeError) as failed:
+        gate.check_gate("RK3588", "w8a8", record, "try fp16")
+    assert "the worst cosine" not in str(failed.value)
+
+
 def test_a_passing_check_raises_nothing():
     reference = np.random.default_rng(1).standard_normal((8, 20)).astype(np.float32)
     record = _record(reference, reference.copy(), gate.TRAINED_FLOORS["fp16"])

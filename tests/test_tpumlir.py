@@ -488,6 +488,8 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
 
     assert "int8_weight_matmuls_only: true" in tpumlir.gate_hint("int8")
     assert "int8" not in tpumlir.gate_hint("w4f16")
+    # A float build has nothing wider to fall back to.
+    assert "wider" not in tpumlir.gate_hint("f16") and "fp16_fixes" in tpumlir.gate_hint("f16")
     with pytest.raises(NpuforgeError, match="only with int8_weight_matmuls_only: true"):
         _options("bm1688", int8_f16_named=["head"])
     with pytest.raises(NpuforgeError, match="int8_calibration_method 'entropy' is not one of"):

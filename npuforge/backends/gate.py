@@ -240,6 +240,12 @@ def _figures_text(figures: dict, cosine: bool) -> str:
     return text + (f", perplexity {delta:+.2%}" if delta is not None else "")
 
 
+# What to try when an fp16 binary fails its gate, on every backend.
+FP16_HINT = (
+    "fp16 has nothing to calibrate: keep the export's fp16_fixes on (a trained Llama also "
+    "needs a kv_prefix, docs/models.md)"
+)
+
 # Top-1 misses a failed gate's message names (the manifest lists them all).
 MISSES_NAMED = 6
 
@@ -263,6 +269,13 @@ def check_gate(target: str, precision: str, record: dict, fix: str) -> None:
         where += f" and {len(misses) - MISSES_NAMED} more"
     if misses:
         where = f"; top-1 differs at positions {where}, fp32's top-2 margin in brackets"
+    if any(failure.startswith("logits cosine") for failure in failures):
+        # One bad position or all of them: an fp16 build's first positions from the zero
+        # state are its hardest (docs/scale.md), a drifting one's last.
+        where += (
+            f"; the worst cosine at position {record.get('worst_cosine_position')}, "
+            f"the mean {record.get('cosine_mean')}"
+        )
     # Rounded at export: the binary against its own graphs is the toolkit's share of the
     # loss, those graphs against the unrounded ones the rounding's.
     for key, label, cosine in (

@@ -280,7 +280,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             record.update(layer_error_record(result, analysed.steps))
             write_json(staging / "compile.json", record)
             fix = (
-                "a trained Llama needs the export's fp16_fixes and a kv_prefix (docs/models.md)"
+                gate.FP16_HINT
                 if precision == "fp16"
                 else (
                     "set the model's export kv_prefix and calibration samples, keep more "

@@ -115,10 +115,7 @@ class Options(base.CommonOptions):
 def gate_hint(options: Options, precision: str) -> str:
     """What to try when a binary fails its gate (quantized: the algorithms not tried yet)."""
     if precision == "fp16":
-        return (
-            "fp16 has nothing to calibrate: keep the export's fp16_fixes on (a trained Llama "
-            "also needs a kv_prefix, docs/models.md)"
-        )
+        return gate.FP16_HINT
     others = [a for a in QUANTIZED_ALGORITHMS if a != options.quantized_algorithm]
     return (
         f"try quantized_algorithm {' or '.join(others)}, more calibration samples, a "

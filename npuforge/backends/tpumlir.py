@@ -165,6 +165,8 @@ def gate_hint(precision: str) -> str:
             "try int8_weight_matmuls_only: true (int8_f16_named for outlier-heavy matmuls), "
             "the model's export.smoothquant, more calibration samples, or w8f16 or f16"
         )
+    if precision in ("f16", "bf16"):
+        return gate.FP16_HINT
     return "build a wider precision (w8f16 or f16)"
 
 
