@@ -5,8 +5,9 @@ input (docs/interfaces.md):
 
 * ``tokens``: the int64 token ids of this call, ``[B, T]``;
 * ``embedding``: rows of ``embedding.bin`` looked up here (``--ext-embedding``);
-* ``hidden``: an input ``<base>_in`` takes the previous chunk's output ``<base>_out``
-  (``hidden_in``/``hidden_out``; RWKV-7 also passes ``v_first``);
+* ``hidden``: an input ``<base>_in`` takes the latest earlier chunk's output
+  ``<base>_out`` in this call (``hidden_in``/``hidden_out`` from the chunk before;
+  RWKV-7's ``v_first_in`` from the first chunk's ``v_first_out``);
 * ``state``: after ``reset``, zeros or the export's ``kv_prefix`` rows
   (``initial_state``); afterwards the output the input names;
 * any other role: ``npuforge.models.<family>.extra_inputs(meta, input_spec, position)``
@@ -107,8 +108,9 @@ def initial_state(export_dir, meta: dict) -> dict:
 
 def run_graph(session, meta, graph, tokens, position, embedding, carried, state, capture=None):
     """One graph of one call: its feeds (the host's, ``carried`` hidden outputs of the
-    previous chunk, ``state``), run on ``session``; ``state`` takes the graph's new
-    state in place. Returns (this graph's hidden outputs, its logits or None).
+    earlier chunks, ``state``), run on ``session``; ``state`` takes the graph's new
+    state in place. Returns (``carried`` with this graph's hidden outputs, its logits or
+    None).
     ``capture(feeds)`` sees the feeds."""
     feeds = host_feeds(meta, graph, tokens, position, embedding)
     for spec in graph["inputs"]:
@@ -124,7 +126,7 @@ def run_graph(session, meta, graph, tokens, position, embedding, carried, state,
     for spec in graph["inputs"]:
         if spec["role"] == "state":
             state[spec["name"]] = results[spec["output"]]
-    hidden, logits = {}, None
+    hidden, logits = dict(carried), None
     for spec in graph["outputs"]:
         if spec["role"] == "hidden":
             hidden[spec["name"]] = results[spec["name"]]

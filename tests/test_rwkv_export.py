@@ -100,6 +100,29 @@ def test_export_json_contract_and_standard_graphs(exports):
                 assert typed[node.input[1]] == onnx.TensorProto.INT64
 
 
+def test_only_the_first_chunk_hands_v_first_on_and_no_output_is_an_input(exports):
+    """RWKV-7's v_first comes from layer 0 and feeds every later layer: the first chunk
+    outputs it and each later chunk reads that one output (runtime.run_graph carries it
+    across chunks). A middle chunk that passed its v_first_in straight out as before
+    (an Identity) stops TPU-MLIR's model_transform (a ranked input returned as an
+    unranked result)."""
+    graphs = GraphChain(exports("c4", chunks=4)).meta["graphs"]
+    handed_on = [{o["name"] for o in g["outputs"] if o["role"] == "hidden"} for g in graphs]
+    assert handed_on == [{"hidden_out", "v_first_out"}, {"hidden_out"}, {"hidden_out"}, set()]
+    read = [{i["name"] for i in g["inputs"] if i["role"] == "hidden"} for g in graphs]
+    assert read == [set()] + [{"hidden_in", "v_first_in"}] * 3
+    for graph in graphs:
+        model = onnx.load(exports("c4", chunks=4) / graph["file"])
+        inputs = {i.name for i in model.graph.input}
+        outputs = {o.name for o in model.graph.output}
+        passed_through = [
+            n.output[0]
+            for n in model.graph.node
+            if n.op_type == "Identity" and n.input[0] in inputs and n.output[0] in outputs
+        ]
+        assert not passed_through and not inputs & outputs, graph["file"]
+
+
 def test_chunks_one_two_four_agree(exports):
     tokens = seeded_tokens(65536, 1, 24)
     one = GraphChain(exports("c1")).run(tokens)

@@ -1544,3 +1544,34 @@ def test_a_failed_steps_log_is_echoed_last(tmp_path, capsys):
         "output of 02_decode_model_deploy",
     ]
     assert echoed[0] == "--- toolchain.log (last 60 lines)"
+
+
+@pytest.mark.toolchain
+def test_real_transform_of_a_middle_rwkv7_chunk(tmp_path, toolchain_python):
+    """A chunk between the first and the last (RWKV-7 in 3 or more chunks: every 1.5B
+    build under a memory budget) goes through model_transform. While middle chunks
+    passed v_first straight from input to output, tpuc-opt refused the net ("type of
+    return operand ... doesn't match function result type")."""
+    checkpoint = tmp_path / "three.pth"
+    _run(
+        "make_synthetic_checkpoint.py",
+        *("--version", 7, "--layers", 3, "--embed", 64, "--vocab", 256),
+        *("--head-size", 64, "--seed", 0, "--out", checkpoint),
+    )
+    options = {"family": "rwkv", "variant": "decode", "tokens": 1, "dtype": "fp32", "chunks": 3}
+    _run(
+        "export_onnx.py",
+        *("--checkpoint", checkpoint, "--out-dir", tmp_path / "decode"),
+        *("--options", json.dumps(options)),
+    )
+    spec = _spec([tmp_path / "decode"], "bm1684x", "f16", tmp_path)
+    spec["steps"] = [s for s in spec["steps"] if s["name"] == "decode_1:model_transform"]
+    assert spec["steps"]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    ran = subprocess.run(
+        [str(toolchain_python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]

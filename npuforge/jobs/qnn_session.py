@@ -139,8 +139,8 @@ def run_calls(
     and outputs; ``sessions[variant][i]`` runs it. Per input role: state (fed from the
     output it names, carried across calls and variants; zeros first, unless the call's
     feeds hold it: a kv_prefix's starting state), hidden (the
-    previous chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
-    ``v_first_in`` <- ``v_first_out``); anything else is host-fed, read from the
+    latest earlier chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
+    ``v_first_in`` <- the first chunk's ``v_first_out``); anything else is host-fed, read from the
     call's feeds file under ``chunk{i}/{name}``. Returns every other output as rows
     of one token each (``[tokens, ...]``), calls concatenated. ``seconds``, when given,
     gains each variant's wall time (where a simulator's time goes: per call, per token).
@@ -180,7 +180,6 @@ def run_calls(
             for item in chunk["inputs"]:
                 if item["role"] == "state":
                     state[item["name"]] = values[item["output"]]
-            hidden = {}
             for out in chunk["outputs"]:
                 value = values[out["name"]]
                 if out["role"] == "hidden":

@@ -477,9 +477,9 @@ def verify(spec: dict) -> None:
             for spec_in in net_plan["inputs"]:
                 if spec_in["role"] == "state":
                     state[spec_in["name"]] = outputs[spec_in["output"]].reshape(spec_in["shape"])
-            carried = {
-                o["name"]: outputs[o["name"]] for o in net_plan["outputs"] if o["role"] == "hidden"
-            }
+            for o in net_plan["outputs"]:
+                if o["role"] == "hidden":
+                    carried[o["name"]] = outputs[o["name"]]
         logits = outputs[net_plan["logits"]]
         rows.append(logits.reshape(-1, logits.shape[-1]))
     np.save(plan["outputs"], np.concatenate(rows))

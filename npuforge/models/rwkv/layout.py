@@ -269,7 +269,9 @@ def io_specs(spec: GraphSpec):
         )
     else:
         outputs.append({"name": "hidden_out", "shape": [b, t, c], "dtype": fdt, "role": "hidden"})
-        if cfg.version == 7:
+        # v_first is made by layer 0 and read by every later chunk: only the first chunk
+        # hands it on (a middle chunk passing its input straight out stops TPU-MLIR).
+        if cfg.version == 7 and spec.is_first:
             outputs.append(
                 {"name": "v_first_out", "shape": [b, t, c], "dtype": fdt, "role": "hidden"}
             )

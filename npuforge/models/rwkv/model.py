@@ -201,6 +201,6 @@ class RwkvChunk(nn.Module):
             outputs.append(x @ self.p("head"))
         else:
             outputs.append(x)
-            if cfg.version == 7:
+            if cfg.version == 7 and spec.is_first:
                 outputs.append(v_first)
         return tuple(outputs + new_states)
