@@ -1347,6 +1347,17 @@ np.savez(name + "_top_outputs.npz", **mlir_inference(inputs, name + ".mlir", dum
 """
 
 
+def _run_job(python, spec: dict, spec_path: Path, timeout=600):
+    """The TPU-MLIR job script over ``spec`` (written to ``spec_path``) in the toolchain."""
+    spec_path.write_text(json.dumps(spec))
+    return subprocess.run(
+        [str(python), str(tpumlir.JOB_SCRIPT), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _tool_run(python, argv, cwd):
     code = (
         "import importlib.util, subprocess, sys; "
@@ -1452,18 +1463,12 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
         "check_frontend": False,
         "steps": steps,
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
 
     def files(net):
         return {p.name for p in (tmp_path / net).rglob("*") if p.is_file()}
 
     inputs = {net: files(net) for net in nets}
-    ran = subprocess.run(
-        [str(python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    ran = _run_job(python, spec, tmp_path / "spec.json")
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     # A passed net keeps its inputs and its bmodel, none of what model_deploy made on the
     # way (its TPU MLIR, weight files, the compiler's directory).
@@ -1567,11 +1572,5 @@ def test_real_transform_of_a_middle_rwkv7_chunk(tmp_path, toolchain_python):
     spec = _spec([tmp_path / "decode"], "bm1684x", "f16", tmp_path)
     spec["steps"] = [s for s in spec["steps"] if s["name"] == "decode_1:model_transform"]
     assert spec["steps"]
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    ran = subprocess.run(
-        [str(toolchain_python), str(tpumlir.JOB_SCRIPT), str(tmp_path / "spec.json")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    ran = _run_job(toolchain_python, spec, tmp_path / "spec.json")
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
