@@ -109,9 +109,8 @@ def initial_state(export_dir, meta: dict) -> dict:
 def run_graph(session, meta, graph, tokens, position, embedding, carried, state, capture=None):
     """One graph of one call: its feeds (the host's, ``carried`` hidden outputs of the
     earlier chunks, ``state``), run on ``session``; ``state`` takes the graph's new
-    state in place. Returns (``carried`` with this graph's hidden outputs, its logits or
-    None).
-    ``capture(feeds)`` sees the feeds."""
+    state in place. Returns (``carried`` with this graph's hidden outputs added, its
+    logits or None). ``capture(feeds)`` sees the feeds."""
     feeds = host_feeds(meta, graph, tokens, position, embedding)
     for spec in graph["inputs"]:
         role, name = spec["role"], spec["name"]
@@ -126,13 +125,13 @@ def run_graph(session, meta, graph, tokens, position, embedding, carried, state,
     for spec in graph["inputs"]:
         if spec["role"] == "state":
             state[spec["name"]] = results[spec["output"]]
-    hidden, logits = dict(carried), None
+    handed_on, logits = dict(carried), None
     for spec in graph["outputs"]:
         if spec["role"] == "hidden":
-            hidden[spec["name"]] = results[spec["name"]]
+            handed_on[spec["name"]] = results[spec["name"]]
         elif spec["role"] == "logits":
             logits = results[spec["name"]]
-    return hidden, logits
+    return handed_on, logits
 
 
 class GraphChain:

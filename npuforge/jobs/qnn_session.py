@@ -138,10 +138,10 @@ def run_calls(
     ``chains[variant][i]`` lists chunk i's inputs ({name, role, output?, shape, dtype})
     and outputs; ``sessions[variant][i]`` runs it. Per input role: state (fed from the
     output it names, carried across calls and variants; zeros first, unless the call's
-    feeds hold it: a kv_prefix's starting state), hidden (the
-    latest earlier chunk's output of the same stem: ``hidden_in`` <- ``hidden_out``,
-    ``v_first_in`` <- the first chunk's ``v_first_out``); anything else is host-fed, read from the
-    call's feeds file under ``chunk{i}/{name}``. Returns every other output as rows
+    feeds hold it: a kv_prefix's starting state), hidden (the latest earlier chunk's
+    output of the same stem: ``hidden_in`` <- ``hidden_out``, ``v_first_in`` <- the first
+    chunk's ``v_first_out``); anything else is host-fed, read from the call's feeds file
+    under ``chunk{i}/{name}``. Returns every other output as rows
     of one token each (``[tokens, ...]``), calls concatenated. ``seconds``, when given,
     gains each variant's wall time (where a simulator's time goes: per call, per token).
     """
