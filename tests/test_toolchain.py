@@ -192,6 +192,25 @@ def test_a_quiet_jobs_report_names_its_stage_beside_a_later_library_warning():
     )
 
 
+def test_a_quiet_jobs_report_counts_its_stages_estimate_down():
+    stage = "TPU-MLIR step 9/30 [about 600 s left before the cmodel check]: prefill_2:model_deploy"
+    line = reporting.quiet_report("tpumlir job", 1500.4, stage, 120.2, "tpuc-opt done")
+    assert line == (
+        "tpumlir job running for 1500 s, about 480 s left before the cmodel check "
+        "(at: TPU-MLIR step 9/30: prefill_2:model_deploy; last output: tpuc-opt done)"
+    )
+    # The stage line as the last output: said once, without its stale figure; an
+    # estimate overrun says 0, not a negative time.
+    line = reporting.quiet_report("job", 900, stage, 700, stage)
+    assert line == (
+        "job running for 900 s, about 0 s left before the cmodel check "
+        "(last output: TPU-MLIR step 9/30: prefill_2:model_deploy)"
+    )
+    assert reporting.quiet_report("job", 30, "verify: call 2/9 (decode)", 5, "x") == (
+        "job running for 30 s (at: verify: call 2/9 (decode); last output: x)"
+    )
+
+
 STOPPABLE_JOB_PY = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -822,6 +822,64 @@ def test_nets_starting_at_once_say_so_on_lines_of_their_own(tmp_path, monkeypatc
     assert len(steps) == 2 and all(line.count("TPU-MLIR step") == 1 for line in steps)
 
 
+def _net_step(net, stage):
+    return {"name": f"{net}:{stage}", "graph": net, "stage": stage}
+
+
+def test_the_time_left_is_judged_by_finished_steps_of_the_same_kind():
+    steps = [
+        _net_step("decode_0", "transform"), _net_step("decode_0", "deploy"),
+        _net_step("decode_1", "transform"), _net_step("decode_1", "deploy"),
+        _net_step("prefill_0", "transform"), _net_step("prefill_0", "deploy"),
+        _net_step("prefill_1", "transform"), _net_step("prefill_1", "deploy"),
+        {"name": "model_tool:combine", "graph": None, "stage": "combine"},
+    ]  # fmt: skip
+    passed = {"passed": True}
+    # Nothing finished: nothing to judge a net's step by.
+    assert job.time_left(steps, {}, {}, 1) is None
+    records = {0: {**passed, "seconds": 10.0}, 1: {**passed, "seconds": 30.0}}
+    # decode_1 as decode_0 took (40 s); the prefill nets by their stages in any variant
+    # (2 x 40 s) until a prefill step finishes; the combine has nothing to go by.
+    assert job.time_left(steps, records, {}, 1) == (120.0, ["combine"])
+    # A running step counts what it has still to run; a failed step is no measure.
+    assert job.time_left(steps, records, {2: 4.0}, 1) == (116.0, ["combine"])
+    assert job.time_left(steps, {**records, 2: {"passed": False, "seconds": 1.0}}, {}, 1)
+    # Finished prefill steps judge the prefill nets; two nets at a time halve the chains.
+    records.update({4: {**passed, "seconds": 100.0}, 5: {**passed, "seconds": 300.0}})
+    assert job.time_left(steps, records, {}, 1) == (440.0, ["combine"])
+    assert job.time_left(steps, records, {}, 2) == (220.0, ["combine"])
+    records.update({2: {**passed, "seconds": 10.0}, 3: {**passed, "seconds": 30.0}})
+    records.update({6: {**passed, "seconds": 100.0}, 7: {**passed, "seconds": 300.0}})
+    assert job.time_left(steps, records, {}, 2) == (0.0, ["combine"])
+
+
+def test_the_cmodel_calls_left_are_judged_by_their_variant():
+    calls = ["prefill", "decode", "decode", "decode"]
+    assert job.calls_left(calls, {}) is None
+    # A decode call has not run yet: a prefill call's minutes say nothing of it.
+    assert job.calls_left(calls[1:], {"prefill": [120.0]}) is None
+    assert job.calls_left(calls[2:], {"prefill": [120.0], "decode": [2.0, 4.0]}) == 6.0
+    assert job.calls_left(calls, {"prefill": [120.0], "decode": [3.0]}) == 129.0
+
+
+def test_a_jobs_later_steps_say_how_long_the_rest_should_take(tmp_path, capsys):
+    steps = [
+        _fake_step(tmp_path, f"{net}:model_deploy", "import time; time.sleep(0.7)", [], graph=net)
+        for net in ("decode_0", "decode_1", "decode_2")
+    ]
+    result = job.run({"work_dir": str(tmp_path), "result": str(tmp_path / "r.json"),
+                      "check_frontend": False, "steps": steps})  # fmt: skip
+    first, second = (step["seconds"] for step in result["steps"][:2])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "TPU-MLIR step" in line]
+    # Each deploy left is judged by the finished ones: two of the first's, then their mean.
+    assert lines == [
+        "TPU-MLIR step 1/3: decode_0:model_deploy",
+        f"TPU-MLIR step 2/3 [about {first + first:.0f} s left]: decode_1:model_deploy",
+        f"TPU-MLIR step 3/3 [about {(first + second) / 2:.0f} s left]: decode_2:model_deploy",
+    ]
+    assert first >= 0.7
+
+
 def test_a_failing_net_stops_the_job_before_any_later_step(tmp_path):
     started = tmp_path / "prefill_deploy_started"
     spec = _side_by_side_spec(tmp_path, [

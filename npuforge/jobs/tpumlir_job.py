@@ -147,6 +147,60 @@ def _die_with_parent():
     return die_with_parent()
 
 
+def _kind(step: dict) -> tuple:
+    """What a step's time is judged by: its stage in nets of the same variant
+    (``prefill_3`` -> ``prefill``), whose chunks are alike in size."""
+    graph = step.get("graph")
+    variant = graph.rsplit("_", 1)[0] if graph and graph[-1].isdigit() else graph
+    return variant, step.get("stage")
+
+
+def time_left(steps: list, records: dict, running: dict, parallel: int):
+    """(seconds, stages left out): what the unfinished steps should still take, or None
+    while a net's step has no finished step of its stage to be judged by.
+
+    Each unfinished step costs what the finished steps of its kind took on average (of
+    its stage in any variant where its own has none yet), less what a running one has
+    run (``running``: index -> seconds so far); the nets' chains share ``parallel``
+    slots and the graph-less steps (the combine) follow them. A graph-less step that
+    has nothing to be judged by is left out and named.
+    """
+    by_kind: dict = {}
+    by_stage: dict = {}
+    for index, record in records.items():
+        if record.get("passed"):
+            kind = _kind(steps[index])
+            by_kind.setdefault(kind, []).append(record["seconds"])
+            by_stage.setdefault(kind[1], []).append(record["seconds"])
+    chains, tail, open_chains, left_out = 0.0, 0.0, set(), []
+    for index, step in enumerate(steps):
+        if index in records:
+            continue
+        kind = _kind(step)
+        taken = by_kind.get(kind) or by_stage.get(kind[1])
+        if not taken and step.get("graph") is None:
+            left_out.append(step["stage"])
+            continue
+        if not taken:
+            return None
+        cost = max(0.0, sum(taken) / len(taken) - running.get(index, 0.0))
+        if step.get("graph") is None:
+            tail += cost
+        else:
+            chains += cost
+            open_chains.add(step["graph"])
+    return chains / max(1, min(parallel, len(open_chains))) + tail, left_out
+
+
+def calls_left(variants: list, taken: dict) -> float | None:
+    """Seconds the cmodel calls of ``variants`` should take, each as long as the finished
+    calls of its variant took on average; None while a variant has none finished (a
+    prefill call costs minutes where a decode call costs seconds)."""
+    if any(not taken.get(variant) for variant in variants):
+        return None
+    return sum(sum(taken[v]) / len(taken[v]) for v in variants)
+
+
 def step_chains(steps: list) -> tuple[list, list]:
     """Step indices as one chain per net (its steps in order) and the graph-less steps
     (model_tool's combine), which run after every chain."""
@@ -174,6 +228,8 @@ class _Steps:
         self.records: dict = {}
         self.failure: str | None = None
         self.running: set = set()
+        self.started: dict = {}  # index -> monotonic start of a running step
+        self.parallel = 1
         self.lock = threading.Lock()
         # {"dir": the compile's store, "root": the staging directory, "keys": {net: key}}
         self.finished = spec.get("finished")
@@ -267,8 +323,25 @@ class _Steps:
         # lines printed at once would run together.
         with self.lock:
             beside = f" (beside {', '.join(sorted(self.running))})" if self.running else ""
+            now = time.monotonic()
+            left = time_left(
+                self.spec["steps"], self.records,
+                {i: now - t for i, t in self.started.items()}, self.parallel,
+            )  # fmt: skip
             self.running.add(step["name"])
-            print(f"TPU-MLIR step {index + 1}/{self.total}: {step['name']}{beside}", flush=True)
+            self.started[index] = now
+            # Early in the line: the runner's quiet-job report keeps its first 120 chars.
+            estimate = ""
+            if left is not None:
+                seconds, left_out = left
+                after = [f"the {stage}" for stage in left_out]
+                after += ["the cmodel check"] if self.spec.get("verify") else []
+                until = f" before {' and '.join(after)}" if after else ""
+                estimate = f" [about {seconds:.0f} s left{until}]"
+            print(
+                f"TPU-MLIR step {index + 1}/{self.total}{estimate}: {step['name']}{beside}",
+                flush=True,
+            )
         Path(step["cwd"]).mkdir(parents=True, exist_ok=True)
         log_path = self.logs / f"{index:02d}_{step['name'].replace(':', '_')}.log"
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
@@ -303,11 +376,13 @@ class _Steps:
             why = f"error: TPU-MLIR step {step['name']} failed: {why} (log {log_path})"
         with self.lock:
             self.running.discard(step["name"])
+            self.started.pop(index, None)
             self.records[index] = record
             if why and self.failure is None:
                 self.failure = why
 
     def run(self, parallel: int) -> list:
+        self.parallel = max(1, parallel)
         chains, tail = step_chains(self.spec["steps"])
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             for done in [pool.submit(self.run_chain, chain) for chain in chains]:
@@ -441,8 +516,12 @@ def verify(spec: dict) -> None:
                     state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
     rows = []
     total = len(plan["calls"])
+    taken: dict = {}  # variant -> seconds of each finished call
     for number, call in enumerate(plan["calls"], 1):
-        print(f"{VERIFY_PROGRESS}{number}/{total} ({call['variant']})", flush=True)
+        left = calls_left([c["variant"] for c in plan["calls"][number - 1 :]], taken)
+        estimate = "" if left is None else f" [about {left:.0f} s left]"
+        print(f"{VERIFY_PROGRESS}{number}/{total} ({call['variant']}){estimate}", flush=True)
+        started = time.monotonic()
         with np.load(call["feeds"]) as data:
             # Host-fed inputs per chunk: chunk{i}/<input name>.
             fed = {key: data[key] for key in data.files}
@@ -482,6 +561,7 @@ def verify(spec: dict) -> None:
                     carried[o["name"]] = outputs[o["name"]]
         logits = outputs[net_plan["logits"]]
         rows.append(logits.reshape(-1, logits.shape[-1]))
+        taken.setdefault(call["variant"], []).append(time.monotonic() - started)
     np.save(plan["outputs"], np.concatenate(rows))
     print(f"verify: {len(plan['calls'])} calls, {sum(len(r) for r in rows)} logits rows")
 

@@ -105,24 +105,40 @@ def _stop(process, grace_s: float = 30.0) -> None:
 # The lines our jobs print to say what they are doing (qnn_job's log, tpumlir_job's
 # steps and verify calls): a vendor library's warning printed after one is not the stage.
 JOB_STAGE_LINE = re.compile(r"^(\[qnn_job\] |TPU-MLIR step |verify: call )")
+# A stage line's estimate of the job's time left then ("[about 1200 s left ...]").
+STAGE_ESTIMATE = re.compile(r" ?\[about (\d+) s left([^\]]*)\]")
+
+
+def quiet_report(what: str, running_s: float, stage: str, stage_age_s: float, said: str) -> str:
+    """The line for a quiet stretch: how long the job has run, the time left by the stage
+    line's estimate less the time since that line, the stage and the last output."""
+    estimate = STAGE_ESTIMATE.search(stage)
+    left = ""
+    if estimate:
+        seconds = max(0.0, int(estimate[1]) - stage_age_s)
+        left = f", about {seconds:.0f} s left{estimate[2]}"
+        stage = STAGE_ESTIMATE.sub("", stage, count=1)
+        said = STAGE_ESTIMATE.sub("", said, count=1)
+    at = f"at: {stage}; " if stage and stage != said else ""
+    return f"{what} running for {running_s:.0f} s{left} ({at}last output: {said or 'none yet'})"
 
 
 def _report_until_done(process, reader, out, what: str, quiet_s: float):
     """Echo the job's output as it comes, and a line after every ``quiet_s`` seconds of
     silence; return (exit code, output) once it ends."""
     chunks, pending = [], b""
-    start = last = time.monotonic()
+    start = last = stage_at = time.monotonic()
     stage = ""
 
     def echo(data: bytes):
-        nonlocal pending, stage
+        nonlocal pending, stage, stage_at
         pending += data
         *complete, pending = pending.split(b"\n")
         for line in complete:
             text = line.decode(errors="replace")
             out.write(text + "\n")
             if JOB_STAGE_LINE.match(text):
-                stage = text.strip()[:120]
+                stage, stage_at = text.strip()[:120], time.monotonic()
         out.flush()
 
     while True:
@@ -139,10 +155,7 @@ def _report_until_done(process, reader, out, what: str, quiet_s: float):
             last = now
         elif not finished and now - last >= quiet_s:
             said = b"".join(chunks).strip().rsplit(b"\n", 1)[-1][:120].decode(errors="replace")
-            at = f"at: {stage}; " if stage and stage != said else ""
-            out.write(
-                f"{what} running for {now - start:.0f} s ({at}last output: {said or 'none yet'})\n"
-            )
+            out.write(quiet_report(what, now - start, stage, now - stage_at, said) + "\n")
             out.flush()
             last = now
         if finished:
