@@ -12,8 +12,11 @@ prints, per model, every step the build ran:
                sampled every 0.5 s
   written      bytes of the step's outputs
 
-and a side-by-side table of the steps every model ran, with the growth exponent of wall
-time and peak memory between consecutive sizes (1.0: linear in parameters). A step kept
+then each compile's check on its simulator (positions, calls per graph variant, worst and
+mean logits cosine, top-1 agreement and perplexity change against fp32, and whether it
+passed its gate), and a side-by-side table of the steps every model ran, with the growth
+exponent of wall time and peak memory between consecutive sizes (1.0: linear in
+parameters). A step kept
 in the machine cache from an earlier build (export, calibration) has no log line in a
 fresh results directory: pass a fresh --results to measure everything.
 
@@ -31,6 +34,7 @@ that fails still reports what its finished steps measured.
 """
 
 import argparse
+import json
 import math
 import re
 import subprocess
@@ -133,6 +137,78 @@ def step_rows(results: Path, model: str) -> list[dict]:
     return rows
 
 
+# A failed gate's line (npuforge.backends.gate.check_gate) and the figures in it.
+_FAILED_CHECK = re.compile(
+    r"the simulator check over (\d+) positions of held-out text failed \((.*)"
+)
+_FAILED_FIGURES = {
+    "cosine": r"logits cosine (-?[\d.]+(?:e-?\d+)?)",
+    "cosine_mean": r"the mean (-?[\d.]+(?:e-?\d+)?)",
+    "top1": r"top-1 agreement ([\d.]+)",
+    "perplexity": r"\(([+-][\d.]+)%\)|perplexity ([+-][\d.]+)%",
+}
+
+
+def verification_rows(results: Path, model: str) -> list[dict]:
+    """Each compile's check on its simulator: positions, calls per variant, worst and mean
+    logits cosine, top-1 agreement and perplexity change against fp32, from compile.json
+    where the compile landed, else from its log's failed-gate line (no calls there)."""
+    rows = []
+    logs = results / "logs" / "compile" / model
+    for log in sorted(logs.rglob("*.log")) if logs.is_dir() else []:
+        job = log.relative_to(logs).with_suffix("").as_posix()
+        record = results / "compile" / model / job / "compile.json"
+        if record.is_file():
+            found = json.loads(record.read_text(encoding="utf-8")).get("verification")
+            if not found:
+                continue
+            delta = (found.get("perplexity") or {}).get("delta")
+            rows.append(
+                {
+                    "job": job,
+                    "positions": found["positions"],
+                    "calls": found.get("calls"),
+                    "cosine": found.get("cosine"),
+                    "cosine_mean": found.get("cosine_mean"),
+                    "top1": found.get("top1_agreement"),
+                    "perplexity": None if delta is None else round(delta * 100, 2),
+                    "passed": bool(found.get("passed")),
+                }
+            )
+            continue
+        failed = _FAILED_CHECK.search(log.read_text(errors="replace"))
+        if failed is None:
+            continue  # stopped before its check
+        row = {"job": job, "positions": int(failed[1]), "calls": None, "passed": False}
+        for key, pattern in _FAILED_FIGURES.items():
+            match = re.search(pattern, failed[2])
+            value = next((g for g in match.groups() if g is not None), None) if match else None
+            row[key] = None if value is None else float(value)
+        rows.append(row)
+    return rows
+
+
+def verification_table(rows: list[dict]) -> str:
+    def cell(value):
+        return "–" if value is None else str(value)
+
+    body = [
+        (
+            r["job"],
+            r["positions"],
+            "–" if not r["calls"] else " + ".join(f"{n} {v}" for v, n in r["calls"].items()),
+            cell(r["cosine"]),
+            cell(r["cosine_mean"]),
+            cell(r["top1"]),
+            "–" if r["perplexity"] is None else f"{r['perplexity']:+.2f} %",
+            "passes" if r["passed"] else "fails",
+        )
+        for r in rows
+    ]
+    header = ("job", "positions", "calls", "cosine", "mean", "top-1", "perplexity", "gate")
+    return table(header, body)
+
+
 def stage_of(row: dict) -> str:
     """The name a step has in every model's build: a compile or package job by its
     target and precision, a per-export-key step by its name alone."""
@@ -215,7 +291,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+]+", "-", text).strip("-")
 
 
-def bench_rows(measured, args) -> list[dict]:
+def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
     from npuforge import measurements
     from npuforge.release import git_provenance
 
@@ -243,6 +319,29 @@ def bench_rows(measured, args) -> list[dict]:
                         "step MB": figures["step_rss_mb"],
                         "processes MB": figures["child_rss_mb"],
                         "written MB": round(figures["written"] / 1e6, 1),
+                    },
+                    "date": measurements.today(),
+                    "commit": commit,
+                    "command": command,
+                    "status": "current",
+                }
+            )
+    for model, params, _ in measured:
+        for check in (checks or {}).get(model, []):
+            calls = check["calls"] or {}
+            rows.append(
+                {
+                    "id": f"scale-check-{model}-{slug(check['job'])}",
+                    "family": "scale_verification",
+                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {check['job']}",
+                    "figures": {
+                        "positions": check["positions"],
+                        "calls": " + ".join(f"{n} {v}" for v, n in calls.items()) or "–",
+                        "cosine": check["cosine"],
+                        "cosine mean": check["cosine_mean"],
+                        "top-1": check["top1"],
+                        "perplexity %": check["perplexity"],
+                        "gate": "passes" if check["passed"] else "fails",
                     },
                     "date": measurements.today(),
                     "commit": commit,
@@ -285,7 +384,7 @@ def main() -> int:
     models = args.models.split(",")
     overlay = write_overlay(args, models)
     code = 0
-    measured = []
+    measured, checks = [], {}
     for model in models:
         results = args.results / model
         if not args.report_only:
@@ -297,6 +396,10 @@ def main() -> int:
         print(f"\n{model}: {params / 1e6:.0f}M parameters")
         print(model_table(rows))
         measured.append((model, params, stages(rows)))
+        checks[model] = verification_rows(results, model)
+        if checks[model]:
+            print(f"\n{model}: the simulator checks")
+            print(verification_table(checks[model]))
     measured = [m for m in measured if m[2]]
     if len(measured) > 1:
         measured.sort(key=lambda m: m[1])
@@ -305,7 +408,7 @@ def main() -> int:
     if args.record:
         from npuforge.measurements import record_bench_rows
 
-        written = record_bench_rows(args.record, bench_rows(measured, args))
+        written = record_bench_rows(args.record, bench_rows(measured, args, checks))
         print(f"\nrecorded {len(written)} rows in {args.record}")
     return code
 

@@ -53,3 +53,68 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     # the processes it ran, together) 4x (k = 1).
     assert rows["compile RK3588/fp16"][-2:] == ["2.00", "1.00"]
     assert rows["export"][-2:] == ["1.00", "1.00"]
+
+
+def test_each_compiles_simulator_check_is_read_whether_it_passed_or_not(tmp_path):
+    import json
+
+    import pytest
+
+    from npuforge.backends import gate
+    from npuforge.backends.base import Call
+    from npuforge.errors import NpuforgeError
+
+    figures = {
+        "positions": 40, "cosine": 0.9999968, "cosine_mean": 0.9999991,
+        "top1_agreement": 0.975, "top1_misses": [{"position": 3, "fp32_margin": 0.01}],
+        "worst_cosine_position": 0,
+        "perplexity": {"reference": 10.0, "compiled": 10.012, "delta": 0.0012, "positions": 40},
+    }  # fmt: skip
+    schedule = [Call("prefill", 0, 32)] + [Call("decode", 32 + i, 1) for i in range(8)]
+    text = {"ids": list(range(41))}
+    landed = gate.verification(figures, {"min_cosine": 0.9999}, schedule=schedule, text=text,
+                               runner="cmodel", reference="fp32")  # fmt: skip
+    out = tmp_path / "compile" / "m" / "BM1688" / "f16"
+    out.mkdir(parents=True)
+    (out / "compile.json").write_text(json.dumps({"verification": landed}))
+    finished_step(tmp_path, "compile/m/BM1688/f16.log", 100.0, 10, 20)
+    # A failed gate leaves no compile.json: its line in the log is all there is.
+    failing = {**figures, "cosine": 0.99541, "cosine_mean": 0.99902, "top1_agreement": 1.0}
+    failing["perplexity"] = {**figures["perplexity"], "delta": 0.0022}
+    record = gate.verification(failing, {"min_cosine": 0.9999}, schedule=schedule, text=text,
+                               runner="htp", reference="fp32")  # fmt: skip
+    with pytest.raises(NpuforgeError) as failed:
+        gate.check_gate("SM8650", "fp16", record, gate.FP16_HINT)
+    log = tmp_path / "logs" / "compile" / "m" / "SM8650" / "fp16.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(f"progress\nerror: {failed.value}\n")
+    # A compile stopped before its check says nothing.
+    (log.parent / "int8.log").write_text("progress\nerror: model_deploy failed\n")
+    rows = bench_scale.verification_rows(tmp_path, "m")
+    assert rows == [
+        {"job": "BM1688/f16", "positions": 40, "calls": {"decode": 8, "prefill": 1},
+         "cosine": 0.9999968, "cosine_mean": 0.9999991, "top1": 0.975, "perplexity": 0.12,
+         "passed": True},
+        {"job": "SM8650/fp16", "positions": 40, "calls": None, "cosine": 0.99541,
+         "cosine_mean": 0.99902, "top1": 1.0, "perplexity": 0.22, "passed": False},
+    ]  # fmt: skip
+    table = bench_scale.verification_table(rows)
+    lines = [line.split() for line in table.splitlines()[2:]]
+    assert lines[0] == ["BM1688/f16", "40", "8", "decode", "+", "1", "prefill", "0.9999968",
+                        "0.9999991", "0.975", "+0.12", "%", "passes"]  # fmt: skip
+    assert lines[1] == ["SM8650/fp16", "40", "–", "0.99541", "0.99902", "1.0", "+0.22", "%",
+                        "fails"]  # fmt: skip
+    # Recorded as bench rows of their own, one per compile.
+    from argparse import Namespace
+
+    args = Namespace(models="m", targets="BM1688,SM8650", precisions="f16,fp16",
+                     verify_steps=40, budget_gb=12.0)  # fmt: skip
+    recorded = bench_scale.bench_rows([("m", 1_500_000_000, {})], args, {"m": rows})
+    assert [(r["family"], r["setting"]) for r in recorded] == [
+        ("scale_verification", "m (1500M parameters): BM1688/f16"),
+        ("scale_verification", "m (1500M parameters): SM8650/fp16"),
+    ]
+    assert recorded[1]["figures"] == {
+        "positions": 40, "calls": "–", "cosine": 0.99541, "cosine mean": 0.99902,
+        "top-1": 1.0, "perplexity %": 0.22, "gate": "fails",
+    }  # fmt: skip
