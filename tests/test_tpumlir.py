@@ -849,8 +849,14 @@ def test_the_time_left_is_judged_by_finished_steps_of_the_same_kind():
     assert job.time_left(steps, records, {}, 1) == (440.0, ["combine"])
     assert job.time_left(steps, records, {}, 2) == (220.0, ["combine"])
     records.update({2: {**passed, "seconds": 10.0}, 3: {**passed, "seconds": 30.0}})
-    records.update({6: {**passed, "seconds": 100.0}, 7: {**passed, "seconds": 300.0}})
-    assert job.time_left(steps, records, {}, 2) == (0.0, ["combine"])
+    records.update({6: {**passed, "seconds": 100.0}})
+    assert job.time_left(steps, records, {7: 100.0}, 2) == (200.0, ["combine"])
+    # Only what nothing judges is left: no figure (the combine is no "0 s left").
+    records.update({7: {**passed, "seconds": 300.0}})
+    assert job.time_left(steps, records, {}, 2) is None
+    # A chunk's job runs its nets only: the other nets and the combine are not its time.
+    records = {0: {**passed, "seconds": 10.0}, 1: {**passed, "seconds": 30.0}}
+    assert job.time_left(steps, records, {}, 2, planned={0, 1, 4, 5}) == (40.0, [])
 
 
 def test_the_cmodel_calls_left_are_judged_by_their_variant():
@@ -878,6 +884,57 @@ def test_a_jobs_later_steps_say_how_long_the_rest_should_take(tmp_path, capsys):
         f"TPU-MLIR step 3/3 [about {(first + second) / 2:.0f} s left]: decode_2:model_deploy",
     ]
     assert first >= 0.7
+
+
+def test_a_chunks_job_builds_its_nets_only_and_the_compile_takes_them_back(tmp_path):
+    runs = tmp_path / "runs.txt"
+
+    def net_steps(root, net):
+        out = root / net / f"{net}.bmodel"
+        code = (
+            f"import pathlib; pathlib.Path({str(out)!r}).write_text({net!r}); "
+            f"open({str(runs)!r}, 'a').write({net!r} + '\\n')"
+        )
+        return _fake_step(root / net, f"{net}:model_deploy", code, [out], graph=net)
+
+    def spec(root, **extra):
+        nets = ("decode_0", "decode_1", "prefill_0", "prefill_1")
+        for net in nets:
+            (root / net).mkdir(parents=True, exist_ok=True)
+        combined = root / "combined.bmodel"
+        ins = [str(root / net / f"{net}.bmodel") for net in nets]
+        combine = (
+            f"import pathlib; pathlib.Path({str(combined)!r}).write_text("
+            f"'+'.join(pathlib.Path(p).read_text() for p in {ins!r}))"
+        )
+        steps = [net_steps(root, net) for net in nets]
+        steps.append(_fake_step(root, "model_tool:combine", combine, [combined], graph=None))
+        keys = {net: f"key-{net}" for net in nets}
+        return {
+            "work_dir": str(root / "work"), "result": str(root / "r.json"),
+            "check_frontend": False, "steps": steps, **extra,
+            "finished": {"dir": str(root / "store"), "root": str(root), "keys": keys},
+        }  # fmt: skip
+
+    # Chunk 1's job, staged elsewhere: its two nets, kept; no combine, no cmodel check.
+    chunk = spec(tmp_path / "chunk1", only_nets=["decode_1", "prefill_1"], verify={"x": 1})
+    result = job.run(chunk)
+    assert [s["name"] for s in result["steps"]] == [
+        "decode_1:model_deploy",
+        "prefill_1:model_deploy",
+    ]
+    assert sorted(p.name for p in (tmp_path / "chunk1" / "store").iterdir()) == [
+        "key-decode_1", "key-prefill_1"
+    ]  # fmt: skip
+    assert not (tmp_path / "chunk1" / "combined.bmodel").exists()
+    # The compile finds chunk 1's nets in that job's store, builds chunk 0's and combines.
+    runs.unlink()
+    whole = tmp_path / "whole"
+    ran = job.run({**spec(whole), "finished": {**spec(whole)["finished"],
+                   "also": [str(tmp_path / "chunk1" / "store")]}})  # fmt: skip
+    assert runs.read_text().split() == ["decode_0", "prefill_0"]
+    assert (whole / "combined.bmodel").read_text() == "decode_0+decode_1+prefill_0+prefill_1"
+    assert all(step["passed"] for step in ran["steps"])
 
 
 def test_a_failing_net_stops_the_job_before_any_later_step(tmp_path):
@@ -1222,6 +1279,34 @@ def test_cli_refuses_a_precision_without_a_quantize_mode(tmp_path):
     assert out.stderr.startswith("error: precision 'w8a8' has no TPU-MLIR quantize mode")
 
 
+def test_cli_refuses_chunk_jobs_for_a_backend_that_compiles_in_one_job(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "workflow_scripts" / "compile.py"), "--backend", "rknn",
+         "--export", str(tmp_path), "--target", "RK3588", "--precision", "fp16",
+         "--only-chunk", "1", "--out-dir", str(tmp_path / "o")],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 2 and not (tmp_path / "o").exists()
+    assert out.stderr == (
+        "error: the rknn backend compiles every chunk in one job: drop --only-chunk and "
+        "--chunk-build\n"
+    )
+
+
+def test_a_chunk_job_outside_the_export_is_refused(exports, tmp_path):
+    request = base.CompileRequest(
+        exports=[exports / "decode", exports / "prefill"], target="BM1684X",
+        options=_options("bm1684x"), precision="f16", out_dir=tmp_path / "o",
+        toolchain=tmp_path / "stamp.json", only_chunk=1,
+    )  # fmt: skip
+    (tmp_path / "stamp.json").write_text(json.dumps({"backend": "tpumlir", "runtime": "native"}))
+    with pytest.raises(
+        NpuforgeError, match=r"chunk 1 of an export in 1 chunks: pass --only-chunk 0 to 0"
+    ):
+        tpumlir.compile(request)
+    assert not (tmp_path / "o").exists()
+
+
 # ---------------------------------------------------------------- toolchain check
 
 
@@ -1477,8 +1562,8 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
         made = _tool_run(python, [python, "-c", TPULANG_GRAPH, net], tmp_path / net)
         assert made.returncode == 0, made.stdout[-1500:] + made.stderr[-1500:]
 
-    def deploy_step(net, quantize, tolerance):
-        d = tmp_path / net
+    def deploy_step(net, quantize, tolerance, root=tmp_path):
+        d = root / net
         bmodel = d / f"{net}_{quantize}.bmodel"
         argv = tpumlir.deploy_command(
             d / f"{net}.mlir",
@@ -1573,6 +1658,36 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     assert "TPU-MLIR net decode: built by an earlier run" in ran.stdout
     assert "decode:model_deploy" not in ran.stdout and "prefill:model_deploy" in ran.stdout
+    pin_build_time(combined)
+    assert combined.read_bytes() == one_go
+
+    # A chunk's job (the workflow's compile_chunk) builds the decode net alone, staged at
+    # another path, into a store of its own; the compile takes it back from there and
+    # builds the rest: the one-go build's bytes again.
+    there = tmp_path / "a-chunk-job-staged-at-another-path"
+    for net in nets:
+        shutil.copytree(tmp_path / net, there / net, ignore=shutil.ignore_patterns("*.bmodel"))
+    steps_there = [deploy_step(net, "F16", "0.99,0.90", there)[1] for net in nets]
+    steps_there.append({**steps[2], "cwd": str(there), "argv": tpumlir.combine_command(
+        [there / net / b.name for net, b in zip(nets, bmodels, strict=True)], there / "c.bmodel"
+    ), "expects": [str(there / "c.bmodel")]})  # fmt: skip
+    chunk_store = tmp_path / "chunk-store"
+    chunk_job = {
+        **spec, "steps": steps_there, "work_dir": str(there / "work"),
+        "result": str(there / "r.json"), "only_nets": ["decode"],
+        "finished": {"dir": str(chunk_store), "root": str(there), "keys": keys},
+    }  # fmt: skip
+    ran = run_job(chunk_job)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert sorted(p.name for p in chunk_store.iterdir()) == ["decode-key"]
+    assert not (there / "c.bmodel").exists() and "prefill:model_deploy" not in ran.stdout
+    for built in [*bmodels, combined]:
+        built.unlink()
+    fresh = {"dir": str(tmp_path / "empty"), "root": str(tmp_path), "keys": keys}
+    ran = run_job({**spec, "finished": {**fresh, "also": [str(chunk_store)]}})
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "TPU-MLIR net decode: built by its chunk's job, reused" in ran.stdout
+    assert "prefill:model_deploy" in ran.stdout
     pin_build_time(combined)
     assert combined.read_bytes() == one_go
 

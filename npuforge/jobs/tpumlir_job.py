@@ -155,15 +155,17 @@ def _kind(step: dict) -> tuple:
     return variant, step.get("stage")
 
 
-def time_left(steps: list, records: dict, running: dict, parallel: int):
+def time_left(steps: list, records: dict, running: dict, parallel: int, planned=None):
     """(seconds, stages left out): what the unfinished steps should still take, or None
-    while a net's step has no finished step of its stage to be judged by.
+    while a net's step has no finished step of its stage to be judged by (or no step
+    left has).
 
     Each unfinished step costs what the finished steps of its kind took on average (of
     its stage in any variant where its own has none yet), less what a running one has
     run (``running``: index -> seconds so far); the nets' chains share ``parallel``
     slots and the graph-less steps (the combine) follow them. A graph-less step that
-    has nothing to be judged by is left out and named.
+    has nothing to be judged by is left out and named. ``planned``: the indices this run
+    runs (a chunk's job runs its nets only), default all.
     """
     by_kind: dict = {}
     by_stage: dict = {}
@@ -172,9 +174,9 @@ def time_left(steps: list, records: dict, running: dict, parallel: int):
             kind = _kind(steps[index])
             by_kind.setdefault(kind, []).append(record["seconds"])
             by_stage.setdefault(kind[1], []).append(record["seconds"])
-    chains, tail, open_chains, left_out = 0.0, 0.0, set(), []
+    chains, tail, open_chains, left_out, judged = 0.0, 0.0, set(), [], 0
     for index, step in enumerate(steps):
-        if index in records:
+        if index in records or (planned is not None and index not in planned):
             continue
         kind = _kind(step)
         taken = by_kind.get(kind) or by_stage.get(kind[1])
@@ -183,12 +185,15 @@ def time_left(steps: list, records: dict, running: dict, parallel: int):
             continue
         if not taken:
             return None
+        judged += 1
         cost = max(0.0, sum(taken) / len(taken) - running.get(index, 0.0))
         if step.get("graph") is None:
             tail += cost
         else:
             chains += cost
             open_chains.add(step["graph"])
+    if not judged:
+        return None
     return chains / max(1, min(parallel, len(open_chains))) + tail, left_out
 
 
@@ -230,14 +235,17 @@ class _Steps:
         self.running: set = set()
         self.started: dict = {}  # index -> monotonic start of a running step
         self.parallel = 1
+        self.planned = None  # the step indices this run runs, where not all
         self.lock = threading.Lock()
-        # {"dir": the compile's store, "root": the staging directory, "keys": {net: key}}
+        # {"dir": the compile's store, "root": the staging directory, "keys": {net: key},
+        #  "also": the stores of the compile's chunk jobs, where the workflow ran them}
         self.finished = spec.get("finished")
-        self.store = None
+        self.store, self.chunk_stores = None, []
         if self.finished:
             from finished_chunks import FinishedChunks
 
             self.store = FinishedChunks(self.finished["dir"])
+            self.chunk_stores = [FinishedChunks(d) for d in self.finished.get("also", [])]
 
     def run_chain(self, indices: list) -> None:
         if not indices or self.reuse_chain(indices):
@@ -294,15 +302,18 @@ class _Steps:
         if key is None:  # not keyed, or the graph-less steps (the combine)
             return False
         root = self.finished["root"]
+        by = "an earlier run of this compile"
         record = self.store.restore(key, {"staging": root})
+        for store in self.chunk_stores if record is None else []:
+            by, record = "its chunk's job", store.restore(key, {"staging": root})
+            if record is not None:
+                break
         if record is None:
             return False
         steps = json.loads(json.dumps(record["steps"]).replace("<staging>", root))
         with self.lock:
             self.records.update(zip(indices, steps, strict=True))
-            print(
-                f"TPU-MLIR net {net}: built by an earlier run of this compile, reused", flush=True
-            )
+            print(f"TPU-MLIR net {net}: built by {by}, reused", flush=True)
         return True
 
     def keep_chain(self, indices: list) -> None:
@@ -326,7 +337,7 @@ class _Steps:
             now = time.monotonic()
             left = time_left(
                 self.spec["steps"], self.records,
-                {i: now - t for i, t in self.started.items()}, self.parallel,
+                {i: now - t for i, t in self.started.items()}, self.parallel, self.planned,
             )  # fmt: skip
             self.running.add(step["name"])
             self.started[index] = now
@@ -384,6 +395,12 @@ class _Steps:
     def run(self, parallel: int) -> list:
         self.parallel = max(1, parallel)
         chains, tail = step_chains(self.spec["steps"])
+        only = self.spec.get("only_nets")
+        if only is not None:
+            # A chunk's job: its nets' chains, kept for the compile that combines them.
+            steps = self.spec["steps"]
+            chains, tail = [c for c in chains if steps[c[0]]["graph"] in only], []
+            self.planned = {index for chain in chains for index in chain}
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             for done in [pool.submit(self.run_chain, chain) for chain in chains]:
                 done.result()
@@ -407,7 +424,7 @@ def run(spec: dict) -> dict:
     if steps.failure is not None:
         write_result(spec, result)
         raise SystemExit(steps.failure)
-    verify = spec.get("verify")
+    verify = None if spec.get("only_nets") is not None else spec.get("verify")
     if verify:
         index = len(spec["steps"])
         print(f"TPU-MLIR step {index + 1}/{total}: the bmodel on the cmodel", flush=True)
