@@ -50,6 +50,16 @@ class Plan:
         need = self.memory[(model, target, precision)].need_bytes
         return max(floor, math.ceil(need / 1e6))
 
+    def chunk_jobs(self, model: str, target: str, precision: str) -> list[int]:
+        """The chunks whose compile is a job of its own, ahead of the compile that combines
+        and checks them: every chunk of a build in more than one, where the target's
+        backend compiles chunk by chunk (``COMPILES_BY_CHUNK``); else none."""
+        chunks = self.memory[(model, target, precision)].chunks
+        by_chunk = getattr(
+            backends.get(self.targets[target]["backend"]), "COMPILES_BY_CHUNK", False
+        )
+        return list(range(chunks)) if by_chunk and chunks > 1 else []
+
     def export_keys(self, model: str, target: str, precision: str) -> list[str]:
         return self.target_exports[(model, target, precision)]
 

@@ -121,6 +121,7 @@ wildcard_constraints:
     tokenizer=r"[^/]+",
     backend=r"[a-z0-9]+",
     runtime=r"[a-z]+",
+    chunk=r"\d+",
 
 
 def as_json(data):
@@ -350,6 +351,10 @@ def compile_dir(model, target, precision):
     return f"{RESULTS}/compile/{model}/{target}/{precision}"
 
 
+def chunk_build_dir(model, target, precision, chunk):
+    return f"{RESULTS}/compile-chunks/{model}/{target}/{precision}/{chunk}"
+
+
 def release_dir(model, target, precision):
     return f"{RESULTS}/release/{model}/{target}/{precision}"
 
@@ -395,6 +400,14 @@ def heldout_inputs(wildcards):
 
 
 def compile_inputs(wildcards):
+    # The chunks built by jobs of their own, where the backend compiles chunk by chunk.
+    model, target, precision = wildcards.model, wildcards.target, wildcards.precision
+    chunks = PLAN.chunk_jobs(model, target, precision)
+    built = [chunk_build_dir(model, target, precision, chunk) for chunk in chunks]
+    return {**chunk_inputs(wildcards), "chunks": built}
+
+
+def chunk_inputs(wildcards):
     backend = TARGETS[wildcards.target]["backend"]
     inputs = {
         "exports": target_export_dirs(
@@ -446,6 +459,8 @@ def compile_paths(wildcards, input):
         args += ["--toolchain", input.toolchain]
     if "checkpoint" in input.keys():
         args += ["--checkpoint", input.checkpoint]
+    for built in input.get("chunks", []):
+        args += ["--chunk-build", built]
     args += ["--heldout", input.heldout]
     return shlex.join(args)
 

@@ -39,3 +39,32 @@ rule compile:
         paths=compile_paths,
     shell:
         "python workflow_scripts/compile.py {params.paths} {params.options} --threads {threads} --out-dir {output} > {log} 2>&1"
+
+
+# One chunk's graphs of a build whose backend compiles chunk by chunk (TPU-MLIR: the
+# chunk's decode and prefill nets), kept for the compile above, which combines and
+# checks them: a many-core host or a cluster builds the chunks side by side.
+rule compile_chunk:
+    input:
+        unpack(chunk_inputs),
+    output:
+        temp(
+            directory(
+                f"{RESULTS}/compile-chunks/{{model}}/{{target}}/{{precision}}/{{chunk}}"
+            )
+        ),
+    log:
+        f"{RESULTS}/logs/compile-chunk/{{model}}/{{target}}/{{precision}}/{{chunk}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/compile-chunk/{{model}}/{{target}}/{{precision}}/{{chunk}}.tsv"
+    conda:
+        MAIN_ENV
+    threads: lambda w: TARGETS[w.target].get("compile_threads", 1)
+    resources:
+        mem_mb=lambda w: PLAN.compile_mem_mb(w.model, w.target, w.precision),
+    params:
+        code=step_code("compile"),
+        options=compile_options,
+        paths=compile_paths,
+    shell:
+        "python workflow_scripts/compile.py {params.paths} {params.options} --threads {threads} --only-chunk {wildcards.chunk} --out-dir {output} > {log} 2>&1"

@@ -25,6 +25,9 @@ def fake_build(results: Path, model: str, scale: int):
     finished_step(
         results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200 * scale, 900 * scale
     )
+    # A TPU-MLIR build's chunk jobs: one stage per build, their times added.
+    for chunk in (0, 1):
+        finished_step(results, f"compile-chunk/{model}/BM1684X/f16/{chunk}.log", 30.0, 50, 400)
     (results / "logs" / "package" / model / "RK3588").mkdir(parents=True)
     (results / "logs" / "package" / model / "RK3588" / "fp16.log").write_text("error: no\n")
     out = results / "compile" / model / "RK3588" / "fp16"
@@ -38,6 +41,8 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     small = bench_scale.step_rows(tmp_path / "small", "small")
     assert [(r["step"], r["job"]) for r in small] == [
         ("compile", "RK3588/fp16"),
+        ("compile-chunk", "BM1684X/f16/0"),
+        ("compile-chunk", "BM1684X/f16/1"),
         ("export", "decode-a"),
         ("export", "prefill-b"),
     ]
@@ -45,6 +50,8 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     merged = bench_scale.stages(small)
     # Export keys add up in time and take the larger peak.
     assert merged["export"]["seconds"] == 15.0 and bench_scale.peak_mb(merged["export"]) == 300
+    chunks = merged["compile-chunk BM1684X/f16"]
+    assert chunks["seconds"] == 60.0 and bench_scale.peak_mb(chunks) == 450
     large = bench_scale.stages(bench_scale.step_rows(tmp_path / "large", "large"))
     table = bench_scale.growth_table([("small", 1_000, merged), ("large", 4_000, large)])
     # stage, then seconds and MB per model, then the two exponents

@@ -735,6 +735,17 @@ def test_tpumlir_plans_chunks_like_the_other_backends():
     assert memory_plan(dict(MID, export={"chunks": 2}), budgeted("BM1684X", 16), "f16").chunks == 2
 
 
+def test_a_chunked_tpumlir_build_compiles_each_chunk_in_a_job_of_its_own():
+    models = dict(MODELS, mid=MID)
+    targets = dict(TARGETS, BM1684X=budgeted("BM1684X", 12), RK3588=budgeted("RK3588", 13))
+    plan = make_plan(selection(model="mid,rwkv7-demo", target="BM1684X,RK3588"), models, targets)
+    assert plan.chunk_jobs("mid", "BM1684X", "f16") == [0, 1]
+    # One chunk needs no job of its own; RKNN builds its chunks in one job.
+    assert plan.chunk_jobs("rwkv7-demo", "BM1684X", "f16") == []
+    assert plan.memory[("mid", "RK3588", "fp16")].chunks == 2
+    assert plan.chunk_jobs("mid", "RK3588", "fp16") == []
+
+
 def test_registry_builds_keep_their_chunks():
     # SmolLM2 (6.2 GB in one chunk at RKNN's 46 bytes/parameter) keeps the two chunks its
     # measured RKNN builds have; everything else in the registry is one chunk.

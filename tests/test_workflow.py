@@ -156,6 +156,35 @@ def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
     assert [c.replace("/calibration/", "/export/") for c in calibrations] == exports
 
 
+def test_a_chunked_tpumlir_build_runs_a_job_per_chunk_then_the_compile(workflow):
+    from npuforge.toolchain import unavailable_reason
+
+    reason = unavailable_reason("tpumlir", "native", {"processor": "bm1684x"})
+    if reason:
+        pytest.skip(f"tpumlir toolchain check refuses here: {reason}")
+    extra = write_extra(workflow, {"targets": {"BM1684X": {"export": {"chunks": 2}}}})
+    select = ["--config", "target=BM1684X", "precision=f16", "toolchain_runtime=native"]
+    result = snakemake(
+        workflow, "--dry-run", "--printshellcmds", "--configfile", extra, *select, check=True
+    )
+    output = result.stdout + result.stderr
+    counts = job_counts(output)
+    assert counts["compile_chunk"] == 2 and counts["compile"] == 1
+    commands = [line for line in output.splitlines() if "compile.py --backend tpumlir" in line]
+    chunk_jobs = sorted(re.findall(r"--only-chunk (\d+) --out-dir (\S+)", " ".join(commands)))
+    assert [chunk for chunk, _ in chunk_jobs] == ["0", "1"]
+    compile_cmd = next(line for line in commands if "--only-chunk" not in line)
+    # The compile takes back every chunk's build, after the same options.
+    assert re.findall(r"--chunk-build (\S+)", compile_cmd) == [out for _, out in chunk_jobs]
+    strip = re.compile(r" --(?:only-chunk \d+|chunk-build \S+|out-dir \S+)")
+    assert {strip.sub("", c).split(">")[0] for c in commands} == {
+        strip.sub("", compile_cmd).split(">")[0]
+    }
+    # One chunk: no job of its own.
+    result = snakemake(workflow, "--dry-run", *select, check=True)
+    assert "compile_chunk" not in job_counts(result.stdout + result.stderr)
+
+
 BAD_SELECTIONS = [
     (["model=rwkv9"], "unknown model 'rwkv9'; valid models: rwkv7-demo, rwkv7-tiny"),
     (["target=SM9999"], "unknown target 'SM9999'; valid targets: onnx, SM8650, SM8550"),

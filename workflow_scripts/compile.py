@@ -56,6 +56,18 @@ def argument_parser():
         help="CPU cores the step may use (tpumlir: nets compiled side by side); "
         "the bytes do not depend on it",
     )
+    parser.add_argument(
+        "--only-chunk",
+        type=int,
+        help="build only this chunk's graphs and keep them in --out-dir for the compile "
+        "(tpumlir: the workflow's chunk jobs)",
+    )
+    parser.add_argument(
+        "--chunk-build",
+        action="append",
+        default=[],
+        help="a --only-chunk job's output: its graphs are taken back, not built; repeatable",
+    )
     parser.add_argument("--out-dir", required=True, help="directory to write")
     parser.add_argument("--log", help="append the toolchain job's output here")
     return parser
@@ -77,6 +89,13 @@ def target_options(args) -> dict:
 def main(argv=None):
     args = argument_parser().parse_args(argv)
     backend = backends.get(args.backend)
+    if (args.only_chunk is not None or args.chunk_build) and not getattr(
+        backend, "COMPILES_BY_CHUNK", False
+    ):
+        raise NpuforgeError(
+            f"the {args.backend} backend compiles every chunk in one job: drop --only-chunk "
+            "and --chunk-build"
+        )
     request = CompileRequest(
         exports=args.export,
         calibrations=args.calibration,
@@ -92,6 +111,8 @@ def main(argv=None):
         log_path=args.log,
         weights=args.weights,
         threads=args.threads,
+        only_chunk=args.only_chunk,
+        chunk_builds=args.chunk_build,
     )
     backend.compile(request)
 

@@ -76,6 +76,10 @@ class CompileRequest:
     weights: str = "trained"
     # CPU cores the step may use (Snakemake's threads); never changes the bytes.
     threads: int = 1
+    # A chunk's job (backends that compile chunk by chunk): build only this chunk's
+    # graphs and keep them for the compile, which takes them back from ``chunk_builds``.
+    only_chunk: int | None = None
+    chunk_builds: tuple = ()
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -85,6 +89,7 @@ class CompileRequest:
         paths = {"exports": self.exports, "calibrations": self.calibrations or ()}
         paths["references"] = self.references or ()
         paths["state_files"] = self.state_files or ()
+        paths["chunk_builds"] = self.chunk_builds or ()
         for name, value in paths.items():
             object.__setattr__(self, name, tuple(Path(p) for p in value))
         object.__setattr__(self, "out_dir", Path(self.out_dir))

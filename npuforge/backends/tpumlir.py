@@ -52,6 +52,8 @@ from npuforge.errors import NpuforgeError
 from npuforge.jobs.finished_chunks import FinishedChunks, files_in, job_identity, store_beside
 
 NAME = "tpumlir"
+# Each chunk's nets can be a job of their own (--only-chunk), combined by the compile.
+COMPILES_BY_CHUNK = True
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
 # A calibrated net's list of sample files (run_calibration's --data_list), in its directory.
 DATA_LIST = "calibration_list.txt"
@@ -491,6 +493,8 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     exports = base.load_exports(request.exports, NAME)
     check_exports(exports)
     stamp = base.read_toolchain(request.toolchain, NAME)
+    if request.only_chunk is not None:
+        return compile_chunk(request, exports, stamp)
     schedule = base.verification_schedule(
         exports, options.verify_steps, options.verify_prefill_calls
     )
@@ -508,11 +512,14 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             calls = base.write_call_feeds(exports, schedule, text["ids"], work / "verify")
             spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), calls)
             spec["finished"] = finished_nets(spec, store, tmp.resolve())
+            # The nets the workflow's chunk jobs built (kept as their own stores).
+            spec["finished"]["also"] = [str(chunk_store(d)) for d in request.chunk_builds]
             store.dir.mkdir(parents=True, exist_ok=True)
             spec_path = work / "spec.json"
             write_json(spec_path, spec)
             read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
             read_only += [str(d.resolve()) for d in request.calibrations]
+            read_only += spec["finished"]["also"]
             log = tmp / "logs" / "toolchain.log"
             job = dataclasses.replace(request, log_path=log)
             writable = [str(tmp), str(store.dir)]
@@ -551,6 +558,73 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         store.drop_if_empty()
     store.clear()
     return record
+
+
+# Where a chunk's job keeps its nets in its output directory (a FinishedChunks store).
+CHUNK_STORE = "nets"
+
+
+def chunk_store(chunk_build) -> Path:
+    return (Path(chunk_build) / CHUNK_STORE).resolve()
+
+
+def compile_chunk(request: base.CompileRequest, exports: dict, stamp: dict) -> dict:
+    """One chunk's nets (its decode and prefill net), built as the whole compile builds
+    them and kept, under the keys the compile looks them up by, in ``out_dir``; the
+    compile then takes them back instead of building them (the same bytes), combines
+    them with the other chunks' and checks the bmodel. A chunk job stopped part way
+    keeps the nets it finished beside its output, as a compile does."""
+    from npuforge.fileio import atomic_path, read_json, write_json
+
+    chunks = len(exports["decode"].graphs)
+    if not 0 <= request.only_chunk < chunks:
+        raise NpuforgeError(
+            f"chunk {request.only_chunk} of an export in {chunks} chunks: pass --only-chunk "
+            f"0 to {chunks - 1}"
+        )
+    nets = [net_name(v, request.only_chunk, len(e.graphs)) for v, e in exports.items()]
+    store = FinishedChunks(store_beside(request.out_dir.resolve()), job_identity(JOB_SCRIPT, stamp))
+    try:
+        with atomic_path(request.out_dir) as tmp:
+            tmp.mkdir()
+            work = tmp / "work"
+            spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), None)
+            spec["only_nets"] = nets
+            spec["finished"] = finished_nets(spec, store, tmp.resolve())
+            store.dir.mkdir(parents=True, exist_ok=True)
+            spec_path = work / "spec.json"
+            write_json(spec_path, spec)
+            read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
+            read_only += [str(d.resolve()) for d in request.calibrations]
+            log = tmp / "logs" / "toolchain.log"
+            job = dataclasses.replace(request, log_path=log)
+            try:
+                base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only,
+                             writable=[str(tmp), str(store.dir)])  # fmt: skip
+            except NpuforgeError as failed:
+                _echo_logs(log, work / "logs", str(failed))
+                raise
+            keys = {net: spec["finished"]["keys"][net] for net in nets}
+            kept = tmp / CHUNK_STORE
+            for key in keys.values():
+                if not (store.dir / key).is_dir():
+                    raise NpuforgeError(f"the chunk job kept no net under {key}: see {log}")
+                shutil.copytree(store.dir / key, kept / key, copy_function=_link)
+            record = {"chunk": request.only_chunk, "nets": keys, "job": read_json(spec["result"])}
+            shutil.rmtree(work)
+            write_json(tmp / "chunk.json", json.loads(json.dumps(record).replace(str(tmp), ".")))
+    finally:
+        store.drop_if_empty()
+    store.clear()
+    return record
+
+
+def _link(source, target) -> None:
+    """A hard link where one filesystem holds both (a net's bmodel is ~0.6 GB at 1.5B)."""
+    try:
+        Path(target).hardlink_to(source)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def finished_nets(spec: dict, store, root: Path) -> dict:
