@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from bench_real_model import table  # noqa: E402
 
 from npuforge.cli import read_step_resources  # noqa: E402
+from npuforge.measurements import figures_of  # noqa: E402
 
 # Where each step writes, relative to the results directory, from what follows
 # logs/<step>/ in its log's path (``rest``, without .log): rules/*.smk's outputs.
@@ -164,19 +165,11 @@ def verification_rows(results: Path, model: str) -> list[dict]:
             found = json.loads(record.read_text(encoding="utf-8")).get("verification")
             if not found:
                 continue
-            delta = (found.get("perplexity") or {}).get("delta")
-            rows.append(
-                {
-                    "job": job,
-                    "positions": found["positions"],
-                    "calls": found.get("calls"),
-                    "cosine": found.get("cosine"),
-                    "cosine_mean": found.get("cosine_mean"),
-                    "top1": found.get("top1_agreement"),
-                    "perplexity": None if delta is None else round(delta * 100, 2),
-                    "passed": bool(found.get("passed")),
-                }
-            )
+            figures = figures_of(found)
+            delta = figures.pop("perplexity_delta")
+            figures["perplexity"] = None if delta is None else round(delta * 100, 2)
+            figures["passed"] = bool(figures["passed"])
+            rows.append({"job": job, "calls": found.get("calls"), **figures})
             continue
         failed = _FAILED_CHECK.search(log.read_text(errors="replace"))
         if failed is None:

@@ -47,6 +47,7 @@ from npuforge.backends import (
     tpumlir_env,
     tpumlir_inputs,
     tpumlir_record,
+    tpumlir_run,
 )
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.errors import NpuforgeError
@@ -1715,7 +1716,7 @@ def test_a_failed_steps_log_is_echoed_last(tmp_path, capsys):
     (tmp_path / "toolchain.log").write_text("toolchain output\n")
     step_log = logs / "02_decode_model_deploy.log"
     error = f"error: TPU-MLIR step decode:model_deploy failed: ... (log {step_log})"
-    tpumlir._echo_logs(tmp_path / "toolchain.log", logs, error)
+    tpumlir_run.echo_logs(tmp_path / "toolchain.log", logs, error)
     echoed = capsys.readouterr().err.splitlines()
     assert echoed[-2:] == [
         "--- 02_decode_model_deploy.log (last 60 lines)",

@@ -18,10 +18,8 @@ parses the similarity figures TPU-MLIR prints. What the host needs is found by
 the functions that need them.
 """
 
-import dataclasses
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +46,21 @@ from npuforge.backends.tpumlir_inputs import (
     weight_matmuls_named,
 )
 from npuforge.backends.tpumlir_record import compile_record
+from npuforge.backends.tpumlir_run import (  # noqa: F401 - JOB_SCRIPT: the job it runs
+    CHUNK_STORE,
+    DATA_LIST,
+    JOB_SCRIPT,
+    chunk_store,
+    finished_nets,
+    net_store,
+    run_spec,
+)
 from npuforge.errors import NpuforgeError
-from npuforge.jobs.finished_chunks import FinishedChunks, files_in, job_identity, store_beside
+from npuforge.jobs.finished_chunks import link_or_copy
 
 NAME = "tpumlir"
 # Each chunk's nets can be a job of their own (--only-chunk), combined by the compile.
 COMPILES_BY_CHUNK = True
-JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "tpumlir_job.py"
-# A calibrated net's list of sample files (run_calibration's --data_list), in its directory.
-DATA_LIST = "calibration_list.txt"
 # Node names of a group-offsets export's side matmuls contain this (the attribute of
 # npuforge.models.llama.group_offsets.GroupOffsetLinear; that module imports torch).
 GROUP_OFFSETS_NODE = "group_offsets"
@@ -503,7 +507,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         positions, exports["decode"], request.heldout, list(request.calibrations)
     )
     reference = base.reference_logits(exports, schedule, text["ids"])
-    store = FinishedChunks(store_beside(request.out_dir.resolve()), job_identity(JOB_SCRIPT, stamp))
+    store = net_store(request.out_dir, stamp)
     try:
         with atomic_path(request.out_dir) as tmp:
             tmp.mkdir()
@@ -514,21 +518,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             spec["finished"] = finished_nets(spec, store, tmp.resolve())
             # The nets the workflow's chunk jobs built (kept as their own stores).
             spec["finished"]["also"] = [str(chunk_store(d)) for d in request.chunk_builds]
-            store.dir.mkdir(parents=True, exist_ok=True)
-            spec_path = work / "spec.json"
-            write_json(spec_path, spec)
-            read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
-            read_only += [str(d.resolve()) for d in request.calibrations]
-            read_only += spec["finished"]["also"]
-            log = tmp / "logs" / "toolchain.log"
-            job = dataclasses.replace(request, log_path=log)
-            writable = [str(tmp), str(store.dir)]
-            try:
-                base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only, writable=writable)
-            except NpuforgeError as failed:
-                # The temporary directory goes away with the failure: keep the tools' output.
-                _echo_logs(log, work / "logs", str(failed))
-                raise
+            run_spec(request, spec, tmp, work, store)
             result = read_json(spec["result"])
             pinned = pin_build_time(spec["bmodel"])
             for state in spec["state_files"]:
@@ -560,14 +550,6 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     return record
 
 
-# Where a chunk's job keeps its nets in its output directory (a FinishedChunks store).
-CHUNK_STORE = "nets"
-
-
-def chunk_store(chunk_build) -> Path:
-    return (Path(chunk_build) / CHUNK_STORE).resolve()
-
-
 def compile_chunk(request: base.CompileRequest, exports: dict, stamp: dict) -> dict:
     """One chunk's nets (its decode and prefill net), built as the whole compile builds
     them and kept, under the keys the compile looks them up by, in ``out_dir``; the
@@ -583,7 +565,7 @@ def compile_chunk(request: base.CompileRequest, exports: dict, stamp: dict) -> d
             f"0 to {chunks - 1}"
         )
     nets = [net_name(v, request.only_chunk, len(e.graphs)) for v, e in exports.items()]
-    store = FinishedChunks(store_beside(request.out_dir.resolve()), job_identity(JOB_SCRIPT, stamp))
+    store = net_store(request.out_dir, stamp)
     try:
         with atomic_path(request.out_dir) as tmp:
             tmp.mkdir()
@@ -591,25 +573,12 @@ def compile_chunk(request: base.CompileRequest, exports: dict, stamp: dict) -> d
             spec = build_spec(request, exports, tmp, work, net_test_feeds(request, exports), None)
             spec["only_nets"] = nets
             spec["finished"] = finished_nets(spec, store, tmp.resolve())
-            store.dir.mkdir(parents=True, exist_ok=True)
-            spec_path = work / "spec.json"
-            write_json(spec_path, spec)
-            read_only = [g["export"] for g in spec["graphs"]] + list(spec["state_files"])
-            read_only += [str(d.resolve()) for d in request.calibrations]
-            log = tmp / "logs" / "toolchain.log"
-            job = dataclasses.replace(request, log_path=log)
-            try:
-                base.run_job(job, JOB_SCRIPT, spec_path, read_only=read_only,
-                             writable=[str(tmp), str(store.dir)])  # fmt: skip
-            except NpuforgeError as failed:
-                _echo_logs(log, work / "logs", str(failed))
-                raise
+            run_spec(request, spec, tmp, work, store)
             keys = {net: spec["finished"]["keys"][net] for net in nets}
-            kept = tmp / CHUNK_STORE
             for key in keys.values():
                 if not (store.dir / key).is_dir():
-                    raise NpuforgeError(f"the chunk job kept no net under {key}: see {log}")
-                shutil.copytree(store.dir / key, kept / key, copy_function=_link)
+                    raise NpuforgeError(f"the chunk job kept no net under {key}: see {tmp}/logs")
+                link_or_copy(store.dir / key, tmp / CHUNK_STORE / key)
             record = {"chunk": request.only_chunk, "nets": keys, "job": read_json(spec["result"])}
             shutil.rmtree(work)
             write_json(tmp / "chunk.json", json.loads(json.dumps(record).replace(str(tmp), ".")))
@@ -617,44 +586,3 @@ def compile_chunk(request: base.CompileRequest, exports: dict, stamp: dict) -> d
         store.drop_if_empty()
     store.clear()
     return record
-
-
-def _link(source, target) -> None:
-    """A hard link where one filesystem holds both (a net's bmodel is ~0.6 GB at 1.5B)."""
-    try:
-        Path(target).hardlink_to(source)
-    except OSError:
-        shutil.copy2(source, target)
-
-
-def finished_nets(spec: dict, store, root: Path) -> dict:
-    """For the job: the store, and each net's key over what its chain reads (its
-    command lines, its directory's inputs, its graph and weights, its samples), so a
-    rerun reuses the nets a stopped compile finished (npuforge.jobs.finished_chunks)."""
-    keys = {}
-    for graph in spec["graphs"]:
-        indices = [i for i, step in enumerate(spec["steps"]) if step["graph"] == graph["net"]]
-        steps = [spec["steps"][i] for i in indices]
-        net_dir, onnx = Path(steps[0]["cwd"]), Path(graph["onnx"])
-        reads = files_in(net_dir) + [onnx]
-        weights = onnx.with_name(onnx.name + ".data")
-        reads += [weights] if weights.is_file() else []
-        if (net_dir / DATA_LIST).is_file():
-            reads += [Path(line) for line in (net_dir / DATA_LIST).read_text().split()]
-        description = json.dumps(
-            {"indices": indices, "steps": steps, "threads": spec["threads"]}, sort_keys=True
-        )
-        keys[graph["net"]] = store.key(description, {"staging": root}, inputs=reads)
-    return {"dir": str(store.dir), "root": str(root), "keys": keys}
-
-
-def _echo_logs(toolchain_log: Path, tool_logs: Path, error: str, tail: int = 60) -> None:
-    """Each log's tail to stderr; the failed step's (the error names it) last, where a
-    reader of the step's log looks first."""
-    logs = [toolchain_log, *sorted(tool_logs.glob("*.log"))]
-    logs.sort(key=lambda log: log.name in error)  # stable: the rest keep their order
-    for log in logs:
-        if log.is_file():
-            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-            print(f"--- {log.name} (last {tail} lines)", file=sys.stderr)
-            print("\n".join(lines[-tail:]), file=sys.stderr)

@@ -55,7 +55,7 @@ class FinishedChunks:
             return None
         for name, root in roots.items():
             if (entry / name).is_dir():
-                _link_or_copy(entry / name, Path(root))
+                link_or_copy(entry / name, Path(root))
         record = entry / "record.json"
         return json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
 
@@ -69,7 +69,7 @@ class FinishedChunks:
         for output in map(Path, outputs):
             if output.exists():
                 name, root = _root_of(output, roots)
-                _link_or_copy(output, partial / name / output.relative_to(root))
+                link_or_copy(output, partial / name / output.relative_to(root))
         if record is not None:
             (partial / "record.json").write_text(json.dumps(record, sort_keys=True))
         shutil.rmtree(self.dir / key, ignore_errors=True)
@@ -128,7 +128,7 @@ def _relative_name(path: Path, roots: dict) -> str:
     return str(path)
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     """Hard links where the filesystem allows (a kept 1.5B build costs no second copy)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir():
