@@ -10,7 +10,9 @@ on) after the kv_prefix <|im_start|>, every decoder matmul's weights fake-quanti
   levers  round to nearest; rotation (npuforge.models.llama.rotation); GPTQ
           (npuforge.models.llama.rounding, on the project's calibration text);
           rotation then GPTQ; "range": each row's (group's) range searched
-          (npuforge.quantization, search_range) for round to nearest or GPTQ
+          (npuforge.quantization, search_range) for round to nearest or GPTQ;
+          "generated": GPTQ's Hessians also from 64 sequences the model samples itself
+          (npuforge.models.llama.sampling, gptq's generated option)
   w8a8    8-bit weights on RKNN's grid (asymmetric per output channel, zero on a level)
           plus every decoder matmul's input at 8 bits per tensor (zero on a level, as
           every backend's activation quantizer has it), ranges from the calibration
@@ -40,6 +42,7 @@ The checkpoints are made by the workflow (fetch, dequantize, permute) into --res
 import argparse
 import copy
 import dataclasses
+import functools
 import multiprocessing
 import subprocess
 import sys
@@ -51,6 +54,8 @@ sys.path.insert(0, str(REPO))
 
 PREFIX = [1]  # <|im_start|>, the registry's kv_prefix for SmolLM2
 ROTATION_SEED = 0
+GENERATED = 64  # sequences the model samples for GPTQ's "generated" rows
+EXPORT_CACHE = 256  # the registry's context_length for SmolLM2: the sampled sequences' cache
 # Slots of the KV cache the bench runs with: the prefix, the held-out positions, and a
 # calibration run (the graphs hold 256; unused slots are masked either way).
 CALIBRATION_ROLES = ("mask", "rope_cos", "rope_sin", "cache_write", "cache_keep")
@@ -203,7 +208,7 @@ def run_model(model_id, model_dir, args, rows):
     import torch
 
     from npuforge import heldout
-    from npuforge.models.llama import rotation, rounding
+    from npuforge.models.llama import rotation, rounding, sampling
     from npuforge.models.llama.config import load_config
     from npuforge.models.llama.model import build_model
     from npuforge.models.llama.rounding import SUBLAYERS
@@ -235,25 +240,32 @@ def run_model(model_id, model_dir, args, rows):
     exact = evaluate(rotated, base_caches[True], ids[: args.positions], reference)
     yield {"model": model_id, "row": "rotation, fp32", **exact, "seconds": 0.0}
     every = {n for _, group in SUBLAYERS for n in group}
+
+    @functools.cache
+    def sampled_by(base):
+        return sampling.generate(base, sequences, GENERATED, EXPORT_CACHE - len(PREFIX), PREFIX)
+
     # The w8a8 rows' GPTQ'd exports, shared by the two ways of quantizing them.
     exports = {}
     for row in rows:
         name, _, lever = row.partition(":")
         grid = grids()[name]
         rotate, gptq = lever.startswith("rotation"), "gptq" in lever
+        generated = lever.endswith("generated")
         searched = dataclasses.replace(grid, search_range=lever.endswith("range"))
         start = time.perf_counter()
         # The export: fp32 weights (the backend rounds them), or the export's own rounding
         # (GPTQ's, or to nearest on searched ranges).
         export = bases[rotate]
         if gptq or searched.search_range:
-            export = exports.get((searched, rotate, gptq))
+            export = exports.get((searched, rotate, gptq, generated))
             if export is None:
                 export = copy.deepcopy(bases[rotate])
                 method = "gptq" if gptq else "nearest"
-                rounding.round_decoder(export, sequences, PREFIX, searched, method)
+                texts = sequences + (sampled_by(bases[rotate]) if generated else [])
+                rounding.round_decoder(export, texts, PREFIX, searched, method)
                 if name.startswith("w8a8"):
-                    exports[(searched, rotate, gptq)] = export
+                    exports[(searched, rotate, gptq, generated)] = export
         caches = base_caches[rotate]
         quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
@@ -297,6 +309,8 @@ LEVER_SETTINGS = {
     "range": "round to nearest, range searched",
     "gptq+range": "GPTQ, range searched",
     "rotation+gptq+range": "rotation + GPTQ, range searched",
+    "gptq+generated": "GPTQ, Hessians also from 64 sampled sequences",
+    "rotation+gptq+generated": "rotation + GPTQ, Hessians also from 64 sampled sequences",
 }
 
 

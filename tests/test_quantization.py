@@ -614,6 +614,83 @@ def test_gptq_rounds_the_same_on_any_hosts_kernels(checkpoints):
     assert len(digests) == 1
 
 
+SAMPLED_DIGEST = """
+import sys
+from npuforge.models.llama import sampling
+from npuforge.models.llama.config import load_config
+from npuforge.models.llama.model import build_model
+from npuforge.models.llama.weights import load_state_dict
+cfg = load_config(sys.argv[1])
+model = build_model(cfg, load_state_dict(sys.argv[1]), 64)
+documents = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+print(sampling.digest(sampling.generate(model, documents, 3, 24, [1], seed=0)))
+"""
+
+
+def test_sampled_calibration_opens_with_the_documents_and_is_the_same_on_any_host(checkpoints):
+    """The sequences the model samples for GPTQ: each opens with its document's first
+    tokens (cycled), has the length asked, leaves the model's float32 weights as they
+    were, follows its seed, and is drawn in float64, so the host's kernels (which move
+    float32 logits' last bits) do not change a token."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from npuforge.models.llama import sampling
+    from npuforge.models.llama.config import load_config
+    from npuforge.models.llama.model import build_model
+    from npuforge.models.llama.weights import load_state_dict
+
+    checkpoint = checkpoints["qwen2"]
+    cfg = load_config(checkpoint)
+    model = build_model(cfg, load_state_dict(checkpoint), 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    documents = [list(range(5, 14)), [20, 21, 22]]
+    drawn = sampling.generate(model, documents, 3, 24, [1], seed=0)
+    assert [len(row) for row in drawn] == [24, 24, 24]
+    assert drawn[0][:8] == documents[0][:8] and drawn[2][:8] == documents[0][:8]
+    assert drawn[1][:3] == [20, 21, 22]
+    assert all(0 <= t < cfg.vocab_size for row in drawn for t in row)
+    assert drawn[0] != drawn[2]  # same opening, own draws
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, before[name]), name
+    again = sampling.generate(model, documents, 3, 24, [1], seed=0)
+    assert again == drawn
+    assert sampling.generate(model, documents, 3, 24, [1], seed=1) != drawn
+    digests = set()
+    for caps in ({}, PLAIN_KERNELS):
+        run = subprocess.run(
+            [sys.executable, "-c", SAMPLED_DIGEST, str(checkpoint)],
+            env={**os.environ, **caps},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        digests.add(run.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
+
+
+def test_a_gptq_export_records_the_sequences_it_sampled(checkpoints, tmp_path):
+    from npuforge.models.llama import onnx_export as llama_export
+
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper writes three lines in the logbook every evening. " * 3)
+    eight = {"bits": 8, "symmetric": True, "text": str(text)}
+    common = dict(variant="decode", dtype="fp32", cache_len=32, kv_prefix=[1])
+    checkpoint = checkpoints["smollm2"]
+    plain = llama_export.export_llama(checkpoint, tmp_path / "p", gptq=eight, **common)
+    meta = llama_export.export_llama(
+        checkpoint, tmp_path / "g", gptq={**eight, "generated": 2}, **common
+    )
+    sampled = meta["gptq"]["generated"]
+    assert sampled["sequences"] == 2 and sampled["tokens_each"] == 31
+    assert meta["gptq"]["sequences"] == plain["gptq"]["sequences"] + 2
+    assert meta["gptq"]["positions"] == plain["gptq"]["positions"] + 2 * 31
+    assert "generated" not in plain["gptq"]
+
+
 def test_gptq_option_matches_its_grid_to_the_export_split():
     from npuforge.models import llama
 
@@ -633,6 +710,12 @@ def test_gptq_option_matches_its_grid_to_the_export_split():
     assert "search_range" not in llama.export_options(model, export, "w8a8")["gptq"]
     export["gptq"]["w8a8"]["search_range"] = True
     assert llama.export_options(model, export, "w8a8")["gptq"]["search_range"] is True
+    export["gptq"]["w8a8"]["generated"] = 64
+    assert llama.export_options(model, export, "w8a8")["gptq"]["generated"] == 64
+    export["gptq"]["w8a8"]["generated"] = "many"
+    with pytest.raises(NpuforgeError, match="generated must be a count of sequences"):
+        llama.export_options(model, export, "w8a8")
+    export["gptq"]["w8a8"]["generated"] = 0
     export["gptq"]["w8a8"]["symmetric"] = True
     with pytest.raises(NpuforgeError, match="integer_zero is an asymmetric grid"):
         llama.export_options(model, export, "w8a8")

@@ -116,6 +116,14 @@ def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:
         option["group"] = int(group)
     if spec.get("search_range"):
         option["search_range"] = True
+    generated = spec.get("generated", 0)
+    if not isinstance(generated, int) or isinstance(generated, bool) or generated < 0:
+        raise NpuforgeError(
+            f"export.gptq for {precision}: generated must be a count of sequences for the "
+            f"model to sample (say 64), got {generated!r}"
+        )
+    if generated:
+        option["generated"] = generated
     return option
 
 

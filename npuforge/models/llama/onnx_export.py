@@ -255,12 +255,26 @@ def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -
         bool(options.get("search_range", False)),
     )
     names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
-    record = rounding.round_decoder(model, sequences, prefix, grid, names=names)
+    sampled = []
+    if options.get("generated"):
+        from npuforge.models.llama import sampling
+
+        length = model.cache_len - len(prefix)
+        sampled = sampling.generate(model, sequences, int(options["generated"]), length, prefix)
+    record = rounding.round_decoder(model, sequences + sampled, prefix, grid, names=names)
     record["text"] = {
         "documents": len(documents),
         "sha256": texts.text_digest(documents),
         "tokenizer": described,
     }
+    if sampled:
+        record["generated"] = {
+            "sequences": len(sampled),
+            "tokens_each": length,
+            "opening": f"the first {sampling.PROMPT_TOKENS} tokens of a calibration document",
+            "sampling": "temperature 1, float64, numpy PCG64 seed 0",
+            "sha256": sampling.digest(sampled),
+        }
     return record
 
 
@@ -389,9 +403,10 @@ def export_llama(
     rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
     norms folded, the residual stream, V per head and down_proj's input (online, a
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
-    gptq: {"bits", "group", "symmetric", "integer_zero", "search_range", "text"}: the
-    decoder projections (with block_centres: the MLP's, the ones a block quantizer takes)
-    rounded by GPTQ onto that grid from the calibration text
+    gptq: {"bits", "group", "symmetric", "integer_zero", "search_range", "text",
+    "generated"}: the decoder projections (with block_centres: the MLP's, the ones a block
+    quantizer takes) rounded by GPTQ onto that grid from the calibration text and
+    ``generated`` sequences the model samples itself (``npuforge.models.llama.sampling``)
     (``npuforge.models.llama.rounding``), after any rotation and before any split.
     """
     import torch
