@@ -591,12 +591,9 @@ PLAIN_KERNELS = {
 }
 
 
-def test_gptq_rounds_the_same_on_any_hosts_kernels(checkpoints):
-    """GPTQ on this host's vectorised kernels and on the plainest ones gives the same
-    weights: its Hessians come from a float64 forward, where the kernels' last-bit
-    differences (float32: enough to flip roundings that cascade through the error
-    feedback; on SmolLM2's twin, top-1 0.76-0.875 between hosts) stay far below any
-    rounding boundary."""
+def digests_on_both_kernels(script: str, checkpoint) -> set:
+    """The last line ``script`` prints for ``checkpoint``, run on this host's kernels and
+    on the plainest ones."""
     import os
     import subprocess
     import sys
@@ -604,14 +601,23 @@ def test_gptq_rounds_the_same_on_any_hosts_kernels(checkpoints):
     digests = set()
     for caps in ({}, PLAIN_KERNELS):
         run = subprocess.run(
-            [sys.executable, "-c", GPTQ_DIGEST, str(checkpoints["llama"])],
+            [sys.executable, "-c", script, str(checkpoint)],
             env={**os.environ, **caps},
             capture_output=True,
             text=True,
             check=True,
         )
         digests.add(run.stdout.strip().splitlines()[-1])
-    assert len(digests) == 1
+    return digests
+
+
+def test_gptq_rounds_the_same_on_any_hosts_kernels(checkpoints):
+    """GPTQ on this host's vectorised kernels and on the plainest ones gives the same
+    weights: its Hessians come from a float64 forward, where the kernels' last-bit
+    differences (float32: enough to flip roundings that cascade through the error
+    feedback; on SmolLM2's twin, top-1 0.76-0.875 between hosts) stay far below any
+    rounding boundary."""
+    assert len(digests_on_both_kernels(GPTQ_DIGEST, checkpoints["llama"])) == 1
 
 
 SAMPLED_DIGEST = """
@@ -632,10 +638,6 @@ def test_sampled_calibration_opens_with_the_documents_and_is_the_same_on_any_hos
     tokens (cycled), has the length asked, leaves the model's float32 weights as they
     were, follows its seed, and is drawn in float64, so the host's kernels (which move
     float32 logits' last bits) do not change a token."""
-    import os
-    import subprocess
-    import sys
-
     import torch
 
     from npuforge.models.llama import sampling
@@ -659,17 +661,7 @@ def test_sampled_calibration_opens_with_the_documents_and_is_the_same_on_any_hos
     again = sampling.generate(model, documents, 3, 24, [1], seed=0)
     assert again == drawn
     assert sampling.generate(model, documents, 3, 24, [1], seed=1) != drawn
-    digests = set()
-    for caps in ({}, PLAIN_KERNELS):
-        run = subprocess.run(
-            [sys.executable, "-c", SAMPLED_DIGEST, str(checkpoint)],
-            env={**os.environ, **caps},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        digests.add(run.stdout.strip().splitlines()[-1])
-    assert len(digests) == 1
+    assert len(digests_on_both_kernels(SAMPLED_DIGEST, checkpoint)) == 1
 
 
 def test_a_gptq_export_records_the_sequences_it_sampled(checkpoints, tmp_path):
