@@ -405,9 +405,9 @@ def export_llama(
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
     gptq: {"bits", "group", "symmetric", "integer_zero", "search_range", "text",
     "generated"}: the decoder projections (with block_centres: the MLP's, the ones a block
-    quantizer takes) rounded by GPTQ onto that grid from the calibration text and
-    ``generated`` sequences the model samples itself (``npuforge.models.llama.sampling``)
-    (``npuforge.models.llama.rounding``), after any rotation and before any split.
+    quantizer takes) rounded by GPTQ (``npuforge.models.llama.rounding``) onto that grid
+    from the calibration text, plus ``generated`` sequences the model samples itself
+    (``npuforge.models.llama.sampling``), after any rotation and before any split.
     """
     import torch
 
