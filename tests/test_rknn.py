@@ -470,7 +470,10 @@ def test_fp16_on_npu_verified_and_byte_reproducible(export_dir, toolchain, tmp_p
 def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
     """On a graph this deep the stale stack slots rknn-toolkit2 copies into its tensor
     records hold its passes' elapsed times: 564 bytes differed between two builds of
-    this model before the job ran on a counting clock (job_stage.fixed_clock)."""
+    this model before the job ran on a counting clock (job_stage.fixed_clock). They
+    also hold what the GIL's handoffs to another thread left, at moments that follow
+    the machine's load: 658 bytes differed beside three busy jobs while tqdm's monitor
+    thread ran (job_stage.no_tqdm_monitor), so the job must run alone."""
     from npuforge import models
     from npuforge.jobs.job_stage import FIXED_CLOCK
     from npuforge.models.llama.weights import write_synthetic_checkpoint
@@ -486,6 +489,7 @@ def test_deep_llama_rebuild_is_byte_identical(toolchain, tmp_path):
     record = compile_rknn([export], None, "RK3588", short, "fp16", toolchain, first)
     assert record["verification"]["passed"]
     assert record["options"]["fixed_clock"] == FIXED_CLOCK
+    assert record["options"]["job_threads"] == 1
     compile_rknn([export], None, "RK3588", short, "fp16", toolchain, second)
     assert _digests(first) == _digests(second)
 

@@ -318,7 +318,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         work = staging / "work"
         work.mkdir()
         artifacts, placements, rewrites, aslr_disabled, hybrids, errors = [], [], [], [], [], []
-        site_packages, clocks = set(), set()
+        site_packages, clocks, threads = set(), set(), []
         previous_outputs = {}
         logits = None
         for index, graph in enumerate(export.graphs):
@@ -387,6 +387,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             aslr_disabled.append(bool(result.get("aslr_disabled")))
             site_packages.add(result.get("site_packages", "none"))
             clocks.add(result.get("fixed_clock"))
+            threads.append(result.get("threads"))
             for spec_out in graph["outputs"]:
                 if spec_out["role"] == "hidden":
                     previous_outputs[spec_out["name"]] = np.load(save[spec_out["name"]])
@@ -445,6 +446,8 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 "aslr_disabled": all(aslr_disabled),
                 # The toolkit writes its own timings' stale stack bytes into the file.
                 "fixed_clock": clocks.pop() if len(clocks) == 1 else None,
+                # Another thread's GIL handoffs leave load-dependent stack bytes there too.
+                "job_threads": None if None in threads else max(threads),
                 # hard-linked: the bytes do not depend on where the toolchain lives.
                 "site_packages": ",".join(sorted(site_packages)),
                 "calibration": (

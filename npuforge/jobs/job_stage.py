@@ -33,6 +33,14 @@ history, so a job repeats its bytes only in a process whose history repeats:
   from a fixed start. QAIRT's sleeps and timed waits then never end, so of a QNN
   job only context generation runs with it; the whole rknn job does (build,
   export, simulator);
+* one thread (``no_tqdm_monitor``): tqdm, which rknn-toolkit2 loads its model with,
+  starts a monitor thread that wakes on its own timer and takes the GIL; where the
+  main thread then hands it over follows machine load, and the calls that hand it
+  over leave their stack bytes where the toolkit's tensor records later copy stale
+  slots (an 8-byte value in each record differed between two builds of a 16-layer
+  Llama beside three busy jobs; waking the monitor every 2 ms made two builds of
+  three differ on an idle machine). The job sets tqdm's ``monitor_interval`` to 0,
+  its documented switch, and ``thread_count`` records that the job ran alone;
 * no address randomisation (``personality(ADDR_NO_RANDOMIZE)``, ``disable_aslr``):
   the stale pointers, and allocation decisions that depend on them, repeat.
   Container engines' default seccomp profiles refuse the call unless allowed
@@ -182,6 +190,23 @@ def heap_settings() -> dict:
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "ort_telemetry_off": os.environ.get("ORT_DISABLE_TELEMETRY") == "1",
     }
+
+
+def no_tqdm_monitor() -> None:
+    """Keep tqdm from starting its monitor thread in this process (see the module doc)."""
+    try:
+        import tqdm
+    except ImportError:
+        return
+    tqdm.tqdm.monitor_interval = 0
+
+
+def thread_count() -> int:
+    """Threads this process runs now, native ones included (1 on a platform without /proc)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
 
 
 def fixed_clock(stage: str) -> dict:

@@ -315,9 +315,11 @@ def _layer_error(rknn, layer_error):
 def main(spec_path):
     import shutil
 
+    import job_stage
     import numpy as np
     from rknn.api import RKNN
 
+    job_stage.no_tqdm_monitor()
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
     dest = spec
@@ -401,13 +403,12 @@ def main(spec_path):
     if dest["rknn"] != spec["rknn"]:
         shutil.copyfile(spec["rknn"], dest["rknn"])
 
-    import job_stage  # only now: the .rknn is written (see job_stage.py)
-
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         placement = parse_placement(handle.read())
     result = {
         "placement": placement,
         "fixed_clock": job_stage.heap_settings()["fixed_clock"],
+        "threads": job_stage.thread_count(),
         "aslr_disabled": os.environ.get(_PINNED) == "aslr-off",
         "site_packages": job_stage.site_packages_mode(),
         "hybrid": hybrid_record,
