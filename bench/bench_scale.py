@@ -124,7 +124,9 @@ def written_bytes(results: Path, step: str, rest: str, model: str) -> int:
 
 def step_rows(results: Path, model: str) -> list[dict]:
     """Every finished step of ``model`` in ``results``: its log's resources line and the
-    bytes of its outputs."""
+    bytes of its outputs; a step that failed after running its toolchain job, with what
+    it had used, as job "<job> (failed)" (a stage of its own: never added to a finished
+    one)."""
     rows = []
     logs = results / "logs"
     for log in sorted(logs.rglob("*.log")):
@@ -132,11 +134,15 @@ def step_rows(results: Path, model: str) -> list[dict]:
         step, rest = parts[0], "/".join(parts[1:])
         if not (rest == model or rest.startswith(f"{model}/") or rest.startswith(f"{model}.")):
             continue
-        figures = read_step_resources(log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
+        figures = read_step_resources(text)
+        failed = figures is None
+        figures = figures or read_step_resources(text, failed=True)
         if figures is None:
             continue
         figures["written"] = written_bytes(results, step, rest, model)
-        rows.append({"step": step, "job": rest[len(model) :].lstrip("/.") or "-", **figures})
+        job = rest[len(model) :].lstrip("/.") or "-"
+        rows.append({"step": step, "job": f"{job} (failed)" if failed else job, **figures})
     return rows
 
 

@@ -138,10 +138,10 @@ class ChildrenPeak:
             self.peak = max(self.peak, total)
 
 
-def resources_line(started: float, children_peak: int) -> str:
+def resources_line(started: float, children_peak: int, failed: bool = False) -> str:
     """What the step used, for its log (bench/bench_scale.py reads it): wall seconds, the
     peak resident memory of the step's own process and the largest sampled total of the
-    processes it ran."""
+    processes it ran; ``failed``: the form a failed step writes before its error."""
     import resource
     import time
 
@@ -149,23 +149,29 @@ def resources_line(started: float, children_peak: int) -> str:
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
     return (
-        f"{STEP_RESOURCES} {time.monotonic() - started:.1f} s wall, peak RSS "
+        f"{FAILED_STEP_RESOURCES if failed else STEP_RESOURCES} "
+        f"{time.monotonic() - started:.1f} s wall, peak RSS "
         f"{own / 2**20:.0f} MB (step), {children_peak / 2**20:.0f} MB (processes it ran)"
     )
 
 
-# The prefix of the line every step that finishes writes last to its log.
+# The prefix of the line every step that finishes writes last to its log; a step that
+# fails after running processes writes the other just before its error line (what a
+# killed toolchain job had used).
 STEP_RESOURCES = "step resources:"
+FAILED_STEP_RESOURCES = "step resources (failed):"
 
 
-def read_step_resources(log_text: str) -> dict | None:
+def read_step_resources(log_text: str, failed: bool = False) -> dict | None:
     """The figures of a log's last resources line: ``seconds``, ``step_rss_mb`` and
-    ``child_rss_mb``; None if the step did not finish. Reads the first form's lines too
-    ("largest process it ran", getrusage's peak of one child)."""
+    ``child_rss_mb``; None if the step did not finish (``failed``: if it did not fail).
+    Reads the first form's lines too ("largest process it ran", getrusage's peak of one
+    child)."""
     import re
 
     pattern = (
-        re.escape(STEP_RESOURCES) + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
+        re.escape(FAILED_STEP_RESOURCES if failed else STEP_RESOURCES)
+        + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
         r"(\d+) MB \((?:processes it ran|largest process it ran)\)"
     )
     found = re.findall(pattern, log_text)
@@ -181,17 +187,28 @@ def _run_main(main, argv) -> int:
     from npuforge.progress import Heartbeat
 
     started = time.monotonic()
+    children = ChildrenPeak()
+
+    def failed_after_work(out_of_memory: bool = False) -> None:
+        # What a failed toolchain job (or an exhausted step) had used; input refused
+        # before any process ran stays one error line.
+        if children.peak or out_of_memory:
+            print(resources_line(started, children.peak, failed=True), file=sys.stderr)
+
     try:
-        with ChildrenPeak() as children, Heartbeat():
+        with children, Heartbeat():
             main(argv)
     except NpuforgeError as err:
+        failed_after_work()
         return fail(str(err))
     except MemoryError:
+        failed_after_work(out_of_memory=True)
         return fail(
             "out of memory; give the job more memory (targets.yaml compile_mem_mb for "
             "compile jobs, a larger machine, or fewer parallel jobs with --cores)"
         )
     except Exception as err:
+        failed_after_work()
         # A library may wrap the refusal (torch.save raises RuntimeError after ENOSPC).
         refused = _os_refusal(err)
         if refused is None:

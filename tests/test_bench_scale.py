@@ -19,7 +19,8 @@ def finished_step(results: Path, log: str, seconds: float, rss_mb: int, child_mb
 
 
 def fake_build(results: Path, model: str, scale: int):
-    """Two export keys, a compile, and a step that did not finish (no resources line)."""
+    """Two export keys, a compile, chunk jobs, a step that failed before any process ran
+    (no resources line) and a compile whose job was killed."""
     finished_step(results, f"export/{model}/decode-a.log", 10.0 * scale, 100 * scale, 0)
     finished_step(results, f"export/{model}/prefill-b.log", 5.0 * scale, 300 * scale, 0)
     finished_step(
@@ -30,6 +31,12 @@ def fake_build(results: Path, model: str, scale: int):
         finished_step(results, f"compile-chunk/{model}/BM1684X/f16/{chunk}.log", 30.0, 50, 400)
     (results / "logs" / "package" / model / "RK3588").mkdir(parents=True)
     (results / "logs" / "package" / model / "RK3588" / "fp16.log").write_text("error: no\n")
+    # A compile whose toolchain job was killed: what it had used, a stage of its own.
+    (results / "logs" / "compile" / model / "SM8650").mkdir(parents=True)
+    (results / "logs" / "compile" / model / "SM8650" / "a16w8.log").write_text(
+        "step resources (failed): 7.0 s wall, peak RSS 90 MB (step), 5000 MB (processes it "
+        "ran)\nerror: the toolchain job was killed (signal 9)\n"
+    )
     out = results / "compile" / model / "RK3588" / "fp16"
     out.mkdir(parents=True)
     (out / "model.rknn").write_bytes(b"x" * 1000 * scale)
@@ -41,6 +48,7 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     small = bench_scale.step_rows(tmp_path / "small", "small")
     assert [(r["step"], r["job"]) for r in small] == [
         ("compile", "RK3588/fp16"),
+        ("compile", "SM8650/a16w8 (failed)"),
         ("compile-chunk", "BM1684X/f16/0"),
         ("compile-chunk", "BM1684X/f16/1"),
         ("export", "decode-a"),
@@ -50,6 +58,7 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     merged = bench_scale.stages(small)
     # Export keys add up in time and take the larger peak.
     assert merged["export"]["seconds"] == 15.0 and bench_scale.peak_mb(merged["export"]) == 300
+    assert bench_scale.peak_mb(merged["compile SM8650/a16w8 (failed)"]) == 5090
     chunks = merged["compile-chunk BM1684X/f16"]
     assert chunks["seconds"] == 60.0 and bench_scale.peak_mb(chunks) == 450
     large = bench_scale.stages(bench_scale.step_rows(tmp_path / "large", "large"))

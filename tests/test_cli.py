@@ -1,4 +1,5 @@
-"""The step CLIs' shared ending: the resources line a finished step leaves in its log."""
+"""The step CLIs' shared ending: the resources line a finished or failed step leaves in its
+log."""
 
 import os
 import subprocess
@@ -17,6 +18,8 @@ from npuforge.cli import run_cli
 from npuforge.errors import NpuforgeError
 
 def main(argv):
+    if argv == ["refuse"]:
+        raise NpuforgeError("the option is bad; fix it")
     hold = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * (300 << 8); time.sleep(1.5)"
     subprocess.run([sys.executable, "-c", hold], check=True)
     if argv == ["fail"]:
@@ -44,8 +47,20 @@ def test_a_finished_step_logs_its_wall_time_and_the_peak_memory_of_what_it_ran()
     assert done.stderr.strip().splitlines()[-1].startswith("step resources:")
 
 
-def test_a_failed_step_ends_on_its_error_line_with_no_resources_line():
+def test_a_failed_step_says_what_it_used_then_ends_on_its_error_line():
     failed = run_step("fail")
     assert failed.returncode == 2
-    assert failed.stderr.strip().splitlines() == ["error: the input is bad; fix it"]
+    used, error = failed.stderr.strip().splitlines()
+    assert error == "error: the input is bad; fix it"
+    assert used.startswith("step resources (failed):")
+    # Read as a failed step's, never as a finished one's (bench_scale's rows).
     assert read_step_resources(failed.stderr) is None
+    figures = read_step_resources(failed.stderr, failed=True)
+    assert figures["child_rss_mb"] >= 300 and figures["seconds"] > 0
+    assert read_step_resources(run_step().stderr, failed=True) is None
+
+
+def test_input_refused_before_any_process_ran_stays_one_error_line():
+    refused = run_step("refuse")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == ["error: the option is bad; fix it"]
