@@ -30,11 +30,18 @@ agreement with fp32 and the change of the text's perplexity.
 
     python bench/bench_quant.py [--positions 96] [--models smollm2-135m,smollm2-135m-permuted]
                                 [--results /tmp/npuforge-bench-quant] [--rows 4bit-g32:gptq,...]
-                                [--jobs 2] [--record docs/data/benches.yaml]
+                                [--heldout text|documents] [--jobs 2]
+                                [--record docs/data/benches.yaml]
+
+--heldout text (the default) scores the gates' held-out text, its first --positions
+tokens; documents scores every token of the bench's own held-out documents
+(data/calibration/heldout_bench: 11 documents in 8 languages and code, 4.3k SmolLM2
+tokens), in windows of --positions, each run from the prefix: one position there moves
+top-1 by 0.0002 instead of 0.0104, so levers a draw apart on the short text separate.
 
 --record writes one row per table row (family quantization_levers, the table of
-docs/quantization.md) into the docs' data (npuforge.measurements), replacing the rows of
-an earlier run.
+docs/quantization.md; with --heldout documents, quantization_levers_documents) into the
+docs' data (npuforge.measurements), replacing the rows of an earlier run.
 
 The checkpoints are made by the workflow (fetch, dequantize, permute) into --results.
 """
@@ -53,6 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PREFIX = [1]  # <|im_start|>, the registry's kv_prefix for SmolLM2
+# Held-out documents only benches score (never calibrated on, no gate's input).
+HELDOUT_DOCUMENTS = REPO / "data" / "calibration" / "heldout_bench"
 ROTATION_SEED = 0
 GENERATED = 64  # sequences the model samples for GPTQ's "generated" rows
 EXPORT_CACHE = 256  # the registry's context_length for SmolLM2: the sampled sequences' cache
@@ -137,20 +146,74 @@ def quantized_inputs(model, ranges):
     return hooks
 
 
-def evaluate(model, caches, ids, reference, ranges=None):
-    """fidelity() of ``model`` over ``ids`` after the prefix's ``caches`` against
-    ``reference`` logits (None: return the logits)."""
-    from npuforge.backends.gate import fidelity
+def held_out(tokenizer, vocab, which, positions) -> list[list[int]]:
+    """The token windows a row is scored over, each run from the kv_prefix.
+
+    ``text``: the gates' held-out text, its first ``positions`` tokens (one window, as
+    the table was measured). ``documents``: every bench document (HELDOUT_DOCUMENTS)
+    cut into windows of ``positions`` scored tokens, each window one token longer for
+    its last target, so every token of the documents is scored once."""
+    from npuforge import heldout, texts
+
+    if which == "text":
+        ids = heldout.tokenize(tokenizer, vocab)[: positions + 1]
+        if len(ids) < positions + 1:
+            raise SystemExit(f"the held-out text has {len(ids)} tokens; lower --positions")
+        return [ids[:positions]]
+    windows = []
+    for doc in texts.tokenize_documents(texts.read_documents(HELDOUT_DOCUMENTS), vocab, tokenizer):
+        doc = [int(t) for t in doc]
+        windows += [doc[i : i + positions + 1] for i in range(0, len(doc) - 1, positions)]
+    return windows
+
+
+def evaluate(model, caches, windows, reference, ranges=None):
+    """fidelity() of ``model`` over the ``windows`` (each after the prefix's ``caches``)
+    against ``reference`` (None: return the logits of each window). One window is
+    scored whole (top-1 over every row); several are pooled over the rows whose next
+    token is in their window: top-1 over them all, perplexity over their mean
+    log-likelihood, cosine the lowest."""
+    import math
+
+    from npuforge.backends.gate import fidelity, perplexity
 
     hooks = quantized_inputs(model, ranges or {})
     try:
-        logits = run_after_prefix(model, caches, ids).numpy()
+        logits = [run_after_prefix(model, caches, window).numpy() for window in windows]
     finally:
         for hook in hooks:
             hook.remove()
     if reference is None:
         return logits
-    return fidelity(reference, logits, ids[1:])
+    if len(windows) == 1:
+        return fidelity(reference[0], logits[0], windows[0][1:])
+    parts = [
+        fidelity(ref[:-1], out[:-1], window[1:])
+        for ref, out, window in zip(reference, logits, windows, strict=True)
+    ]
+    rows = sum(p["positions"] for p in parts)
+    misses = sum(len(p["top1_misses"]) for p in parts)
+
+    def pooled(windows_logits):
+        logs = (
+            math.log(perplexity(x[:-1], window[1:])) * (len(window) - 1)
+            for x, window in zip(windows_logits, windows, strict=True)
+        )
+        return math.exp(sum(logs) / rows)
+
+    fp32, quantized = pooled(reference), pooled(logits)
+    return {
+        "positions": rows,
+        "windows": len(windows),
+        "cosine": min(p["cosine"] for p in parts),
+        "top1_agreement": round(1 - misses / rows, 6),
+        "perplexity": {
+            "reference": round(fp32, 5),
+            "compiled": round(quantized, 5),
+            "delta": round(quantized / fp32 - 1, 6),
+            "positions": rows,
+        },
+    }
 
 
 def calibration_runs(model_id, doc_tokens):
@@ -207,7 +270,6 @@ def calibration(model_dir, vocab, cap=None):
 def run_model(model_id, model_dir, args, rows):
     import torch
 
-    from npuforge import heldout
     from npuforge.models.llama import rotation, rounding, sampling
     from npuforge.models.llama.config import load_config
     from npuforge.models.llama.model import build_model
@@ -220,15 +282,13 @@ def run_model(model_id, model_dir, args, rows):
     torch.set_num_threads(args.threads)
     cfg = load_config(model_dir)
     tokenizer, _ = checkpoint_tokenizer(model_dir)
-    ids = heldout.tokenize(tokenizer, cfg.vocab_size)[: args.positions + 1]
-    if len(ids) < args.positions + 1:
-        raise SystemExit(f"the held-out text has {len(ids)} tokens; lower --positions")
+    windows = held_out(tokenizer, cfg.vocab_size, args.heldout, args.positions)
     # GPTQ's Hessians from whole documents, as the export takes them (5.8k tokens; cut at
     # the 255 positions the graphs hold, 2.8k, the twin's g32 top-1 fell from 0.76 to
     # 0.69); activation ranges from the builds' calibration samples.
     sequences = calibration(model_dir, cfg.vocab_size)
     runs = calibration_runs(model_id, sequences)
-    cache_len = len(PREFIX) + max(args.positions, *map(len, runs))
+    cache_len = len(PREFIX) + max(*map(len, windows), *map(len, runs))
     plain = build_model(cfg, load_state_dict(model_dir), cache_len)
     rotated = copy.deepcopy(plain)
     rotation.rotate(rotated, ROTATION_SEED)
@@ -236,8 +296,8 @@ def run_model(model_id, model_dir, args, rows):
     # The kv_prefix's rows come from the weights before any rounding, as the export
     # writes them: one cache per base model, whatever a row rounds.
     base_caches = {rotate: prefix_caches(base, cache_len) for rotate, base in bases.items()}
-    reference = evaluate(plain, base_caches[False], ids[: args.positions], None)
-    exact = evaluate(rotated, base_caches[True], ids[: args.positions], reference)
+    reference = evaluate(plain, base_caches[False], windows, None)
+    exact = evaluate(rotated, base_caches[True], windows, reference)
     yield {"model": model_id, "row": "rotation, fp32", **exact, "seconds": 0.0}
     every = {n for _, group in SUBLAYERS for n in group}
 
@@ -274,7 +334,7 @@ def run_model(model_id, model_dir, args, rows):
         # The backend's own rounding onto the grid it derives (GPTQ's weights stay put).
         model = copy.deepcopy(export)
         rounding.round_decoder(model, [], PREFIX, grid, "nearest", names=quantized)
-        figures = evaluate(model, caches, ids[: args.positions], reference, ranges)
+        figures = evaluate(model, caches, windows, reference, ranges)
         seconds = time.perf_counter() - start
         yield {"model": model_id, "row": f"{name} {lever}", **figures, "seconds": seconds}
         del model
@@ -314,7 +374,7 @@ LEVER_SETTINGS = {
 }
 
 
-def record(path, results, models, argv) -> list[str]:
+def record(path, results, models, argv, heldout="text") -> list[str]:
     """The table's rows as bench data rows (``npuforge.measurements``)."""
     from npuforge import docs_tables, measurements
     from npuforge.release import git_provenance
@@ -335,8 +395,11 @@ def record(path, results, models, argv) -> list[str]:
             setting = f"{GRID_SETTINGS[name]}: {LEVER_SETTINGS[lever]}"
         rows.append(
             {
-                "id": "quant-levers-" + row.replace(" ", "-").replace("+", "-").replace(",", ""),
-                "family": "quantization_levers",
+                "id": (
+                    ("quant-levers-" if heldout == "text" else "quant-levers-documents-")
+                    + row.replace(" ", "-").replace("+", "-").replace(",", "")
+                ),
+                "family": HELDOUT_FAMILIES[heldout],
                 "setting": setting,
                 "figures": figures,
                 "date": measurements.today(),
@@ -352,6 +415,10 @@ def record(path, results, models, argv) -> list[str]:
     return measurements.record_bench_rows(path, rows)
 
 
+HELDOUT_CHOICES = ("text", "documents")
+# Where each held-out choice's rows go: the documents' rows are a table of their own.
+HELDOUT_FAMILIES = {"text": "quantization_levers", "documents": "quantization_levers_documents"}
+
 ALL_ROWS = [
     f"{grid}:{lever}"
     for grid in ("8bit-channel", "4bit-g32", "4bit-g64", "w8a8", "w8a8-rk3588")
@@ -363,7 +430,8 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--positions", type=int, default=96)
+    parser.add_argument("--positions", type=int, default=96, help="positions per window")
+    parser.add_argument("--heldout", default="text", choices=HELDOUT_CHOICES)
     parser.add_argument("--models", default="smollm2-135m,smollm2-135m-permuted")
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-quant"))
     parser.add_argument("--rows", default=",".join(ALL_ROWS), help="grid:lever, comma list")
@@ -403,7 +471,7 @@ def main():
         argv = sys.argv[1:]
         if "--record" in argv:  # the command that reproduces the rows, not rewrites them
             del argv[argv.index("--record") : argv.index("--record") + 2]
-        written = record(args.record, results, args.models, argv)
+        written = record(args.record, results, args.models, argv, args.heldout)
         print(f"\n{len(written)} rows written to {args.record}")
 
 

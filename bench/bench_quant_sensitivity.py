@@ -3,14 +3,18 @@ at a time, in torch against fp32.
 
 Every decoder projection rounded to nearest on the grid, then the same with one kind of
 projection (q_proj ... down_proj) left fp32, with only one kind rounded, and with one
-layer left fp32; optionally a mixed row (``--four``: these kinds on the grid, the rest
-8-bit per channel, to nearest and with GPTQ). Held-out text and figures as
-bench_quant.py's (top-1 agreement, perplexity change), embedding, norms and lm_head fp32.
+layer left fp32 (``--skip-layers`` leaves those out); optionally mixed rows (``--four``,
+one comma list per row: these kinds on the grid, the rest 8-bit per channel, to nearest
+and with GPTQ). Held-out text (``--heldout``) and figures as bench_quant.py's (top-1
+agreement, perplexity change), embedding, norms and lm_head fp32.
 
     python bench/bench_quant_sensitivity.py [--model smollm2-135m-permuted]
-        [--grid 4bit-g32] [--four gate_proj,up_proj] [--jobs 2] [--record docs/data/benches.yaml]
+        [--grid 4bit-g32] [--four gate_proj,up_proj ...] [--skip-layers]
+        [--heldout text|documents] [--jobs 2]
+        [--record docs/data/benches.yaml]
 
---record writes the rows (family quantization_sensitivity, docs/quantization.md).
+--record writes the rows (family quantization_sensitivity, docs/quantization.md; with
+--heldout documents, quantization_sensitivity_documents).
 """
 
 import argparse
@@ -26,20 +30,22 @@ sys.path.insert(0, str(REPO / "bench"))
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def cases(layers: int, four: list) -> list:
+def cases(layers: int, mixes: list, per_layer: bool = True) -> list:
     """Rows: (name, kinds on the grid in layer i, kinds 8-bit per channel, method)."""
     every = set(KINDS)
     rows = [("every projection", lambda i: every, set(), "nearest")]
     rows += [(f"all but {k}", lambda i, k=k: every - {k}, set(), "nearest") for k in KINDS]
     rows += [(f"only {k}", lambda i, k=k: {k}, set(), "nearest") for k in KINDS]
-    rows += [
-        (f"all but layer {n}", lambda i, n=n: set() if i == n else every, set(), "nearest")
-        for n in range(layers)
-    ]
-    if four:
+    if per_layer:
+        rows += [
+            (f"all but layer {n}", lambda i, n=n: set() if i == n else every, set(), "nearest")
+            for n in range(layers)
+        ]
+    for four in mixes:
         name = f"{'/'.join(four)} on the grid, the rest 8-bit per channel"
         rows += [
-            (name, lambda i: set(four), every - set(four), method) for method in ("nearest", "gptq")
+            (name, lambda i, four=four: set(four), every - set(four), method)
+            for method in ("nearest", "gptq")
         ]
     return rows
 
@@ -51,7 +57,6 @@ class Setup:
         import bench_quant
         import torch
 
-        from npuforge import heldout
         from npuforge.models.llama.config import load_config
         from npuforge.models.llama.model import build_model
         from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
@@ -64,18 +69,18 @@ class Setup:
         cfg = load_config(model_dir)
         self.layers = cfg.num_layers
         tokenizer, _ = checkpoint_tokenizer(model_dir)
-        self.ids = heldout.tokenize(tokenizer, cfg.vocab_size)[: args.positions + 1]
+        self.windows = bench_quant.held_out(tokenizer, cfg.vocab_size, args.heldout, args.positions)
         self.sequences = bench_quant.calibration(model_dir, cfg.vocab_size)
-        cache_len = len(bench_quant.PREFIX) + max(args.positions, *map(len, self.sequences))
+        longest = max(*map(len, self.windows), *map(len, self.sequences))
+        cache_len = len(bench_quant.PREFIX) + longest
         self.model = build_model(cfg, load_state_dict(model_dir), cache_len)
         self.caches = bench_quant.prefix_caches(self.model, cache_len)
-        self.positions = args.positions
         self.reference = self.evaluate(self.model, None)
         self.grid = bench_quant.grids()[args.grid]
         self.eight = bench_quant.grids()["8bit-channel"]
 
     def evaluate(self, model, reference):
-        return self.bench.evaluate(model, self.caches, self.ids[: self.positions], reference)
+        return self.bench.evaluate(model, self.caches, self.windows, reference)
 
     def measure(self, on_grid, eight, method) -> dict:
         """Figures with the kinds ``on_grid(layer)`` on the grid and ``eight`` 8-bit per
@@ -108,7 +113,8 @@ def measure_rows(job) -> list:
     args, part, parts = job
     _SETUP = _SETUP or Setup(args)
     lines = []
-    for number, (name, on_grid, eight, method) in enumerate(cases(_SETUP.layers, args.four)):
+    rows = cases(_SETUP.layers, args.four, not args.skip_layers)
+    for number, (name, on_grid, eight, method) in enumerate(rows):
         if number % parts != part:
             continue
         figures = _SETUP.measure(on_grid, eight, method)
@@ -125,13 +131,14 @@ def record(path, args, results, argv) -> list:
     from npuforge.release import git_provenance
 
     git = git_provenance()
+    held = "" if args.heldout == "text" else "documents-"
     rows = []
     for line in sorted(results, key=lambda x: x["number"]):
         slug = line["row"].replace(" ", "-").replace("/", "-").replace(",", "")
         rows.append(
             {
-                "id": f"quant-sensitivity-{args.model}-{args.grid}-{slug}",
-                "family": "quantization_sensitivity",
+                "id": f"quant-sensitivity-{held}{args.model}-{args.grid}-{slug}",
+                "family": "quantization_sensitivity" + ("_documents" if held else ""),
                 "setting": f"{args.model}, {args.grid}: {line['row']}",
                 "figures": {
                     "top-1": round(line["top1_agreement"], 3),
@@ -147,22 +154,27 @@ def record(path, args, results, argv) -> list:
 
 
 def main():
+    import bench_quant
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m-permuted")
     parser.add_argument("--grid", default="4bit-g32", choices=("4bit-g32", "4bit-g64"))
-    parser.add_argument("--four", default="", help="kinds on the grid in the mixed rows")
-    parser.add_argument("--positions", type=int, default=96)
+    parser.add_argument(
+        "--four", nargs="*", default=[], help="mixed rows: each the kinds (a,b,..) on the grid"
+    )
+    parser.add_argument("--skip-layers", action="store_true", help="no one-layer-fp32 rows")
+    parser.add_argument("--positions", type=int, default=96, help="positions per window")
+    parser.add_argument("--heldout", default="text", choices=bench_quant.HELDOUT_CHOICES)
     parser.add_argument("--results", type=Path, default=Path("/tmp/npuforge-bench-quant"))
     parser.add_argument("--jobs", type=int, default=1, help="processes side by side")
     parser.add_argument("--record", type=Path, help="write the rows into this bench data file")
     args = parser.parse_args()
-    args.four = [k for k in args.four.split(",") if k]
-    unknown = [k for k in args.four if k not in KINDS]
+    args.four = [[k for k in mix.split(",") if k] for mix in args.four]
+    unknown = [k for mix in args.four for k in mix if k not in KINDS]
     if unknown:
         raise SystemExit(f"unknown projection {unknown[0]}; kinds: {', '.join(KINDS)}")
-    import bench_quant
 
     args.models = [args.model]
     bench_quant.checkpoints(args)  # made once, before the processes share them
