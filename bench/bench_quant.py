@@ -35,9 +35,10 @@ agreement with fp32 and the change of the text's perplexity.
 
 --heldout text (the default) scores the gates' held-out text, its first --positions
 tokens; documents scores every token of the bench's own held-out documents
-(data/calibration/heldout_bench: 11 documents in 8 languages and code, 4.3k SmolLM2
+(data/calibration/heldout_bench: 11 documents in 7 languages, Python and C, 4.3k SmolLM2
 tokens), in windows of --positions, each run from the prefix: one position there moves
-top-1 by 0.0002 instead of 0.0104, so levers a draw apart on the short text separate.
+top-1 by 0.0002 instead of 0.0104, so the held-out sample's own noise no longer hides
+a lever's effect (GPTQ's spread between calibration sets and hosts stays).
 
 --record writes one row per table row (family quantization_levers, the table of
 docs/quantization.md; with --heldout documents, quantization_levers_documents) into the
