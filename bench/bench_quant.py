@@ -394,13 +394,16 @@ def record(path, results, models, argv, heldout="text") -> list[str]:
         setting = "fp32, rotated (exactness)"
         if name in GRID_SETTINGS:
             setting = f"{GRID_SETTINGS[name]}: {LEVER_SETTINGS[lever]}"
+        family, ident = scored_on(
+            heldout,
+            "quantization_levers",
+            "quant-levers",
+            row.replace(" ", "-").replace("+", "-").replace(",", ""),
+        )
         rows.append(
             {
-                "id": (
-                    ("quant-levers-" if heldout == "text" else "quant-levers-documents-")
-                    + row.replace(" ", "-").replace("+", "-").replace(",", "")
-                ),
-                "family": HELDOUT_FAMILIES[heldout],
+                "id": ident,
+                "family": family,
                 "setting": setting,
                 "figures": figures,
                 "date": measurements.today(),
@@ -417,8 +420,15 @@ def record(path, results, models, argv, heldout="text") -> list[str]:
 
 
 HELDOUT_CHOICES = ("text", "documents")
-# Where each held-out choice's rows go: the documents' rows are a table of their own.
-HELDOUT_FAMILIES = {"text": "quantization_levers", "documents": "quantization_levers_documents"}
+
+
+def scored_on(heldout: str, family: str, bench: str, row: str) -> tuple[str, str]:
+    """(family, id) of a bench row scored on ``heldout``: the documents' rows are a table
+    of their own, their ids marked so."""
+    if heldout == "text":
+        return family, f"{bench}-{row}"
+    return f"{family}_{heldout}", f"{bench}-{heldout}-{row}"
+
 
 ALL_ROWS = [
     f"{grid}:{lever}"

@@ -127,18 +127,25 @@ def measure_rows(job) -> list:
 
 
 def record(path, args, results, argv) -> list:
+    import bench_quant
+
     from npuforge import docs_tables, measurements
     from npuforge.release import git_provenance
 
     git = git_provenance()
-    held = "" if args.heldout == "text" else "documents-"
     rows = []
     for line in sorted(results, key=lambda x: x["number"]):
         slug = line["row"].replace(" ", "-").replace("/", "-").replace(",", "")
+        family, ident = bench_quant.scored_on(
+            args.heldout,
+            "quantization_sensitivity",
+            "quant-sensitivity",
+            f"{args.model}-{args.grid}-{slug}",
+        )
         rows.append(
             {
-                "id": f"quant-sensitivity-{held}{args.model}-{args.grid}-{slug}",
-                "family": "quantization_sensitivity" + ("_documents" if held else ""),
+                "id": ident,
+                "family": family,
                 "setting": f"{args.model}, {args.grid}: {line['row']}",
                 "figures": {
                     "top-1": round(line["top1_agreement"], 3),
