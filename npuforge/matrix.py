@@ -53,12 +53,14 @@ class Plan:
     def chunk_jobs(self, model: str, target: str, precision: str) -> list[int]:
         """The chunks whose compile is a job of its own, ahead of the compile that combines
         and checks them: every chunk of a build in more than one, where the target's
-        backend compiles chunk by chunk (``COMPILES_BY_CHUNK``); else none."""
+        backend compiles chunk by chunk for the target's options (its
+        ``compiles_by_chunk``); else none."""
         chunks = self.memory[(model, target, precision)].chunks
-        by_chunk = getattr(
-            backends.get(self.targets[target]["backend"]), "COMPILES_BY_CHUNK", False
-        )
-        return list(range(chunks)) if by_chunk and chunks > 1 else []
+        spec = self.targets[target]
+        by_chunk = getattr(backends.get(spec["backend"]), "compiles_by_chunk", None)
+        if chunks < 2 or by_chunk is None or not by_chunk(spec.get("options") or {}):
+            return []
+        return list(range(chunks))
 
     def export_keys(self, model: str, target: str, precision: str) -> list[str]:
         return self.target_exports[(model, target, precision)]

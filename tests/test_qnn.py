@@ -592,7 +592,7 @@ def _compile(workspace, stamp, name, options, precision, prefill=None):
     return out, manifest
 
 
-def compile_qnn(exports, calibrations, target, options, precision, stamp, out):
+def compile_qnn(exports, calibrations, target, options, precision, stamp, out, **request):
     """qnn.compile with the request built from the arguments the compile CLI takes."""
     if calibrations is not None and not isinstance(calibrations, list):
         calibrations = [calibrations]
@@ -606,6 +606,7 @@ def compile_qnn(exports, calibrations, target, options, precision, stamp, out):
             toolchain=stamp,
             out_dir=out,
             weights="synthetic",
+            **request,
         )
     )
 
@@ -684,6 +685,59 @@ def test_rebuild_in_place_is_byte_identical(sm8650_fp16, qnn_stamp, workspace, m
     for name, data in before.items():
         assert (again / name).read_bytes() == data, name
     assert rebuilt["artifacts"] == manifest["artifacts"]
+
+
+def test_only_the_ep_route_compiles_chunk_by_chunk(monkeypatch):
+    # The sdk route (the QNN SDK's own tools) builds every chunk in the compile.
+    monkeypatch.delenv(qnn.ROUTE_ENV, raising=False)
+    assert qnn.compiles_by_chunk({}) and qnn.compiles_by_chunk({"route": "ep"})
+    assert not qnn.compiles_by_chunk({"route": "sdk"})
+    monkeypatch.setenv(qnn.ROUTE_ENV, "sdk")
+    assert not qnn.compiles_by_chunk({"route": "ep"})
+
+
+@pytest.mark.toolchain
+def test_chunk_jobs_staged_elsewhere_give_the_one_go_bytes(
+    sm8650_fp16, qnn_stamp, workspace, tmp_path, monkeypatch
+):
+    # The workflow's compile_chunk jobs: each chunk's contexts built alone at another
+    # path, then the compile takes them back by their keys and runs only the simulator.
+    from npuforge import toolchain as toolchains
+
+    first, manifest = sm8650_fp16
+    real_run_job, ran = toolchains.run_job, []
+
+    def run_job(stamp, script, spec_path, **kwargs):
+        spec = json.loads(Path(spec_path).read_text())
+        ran.append([c["index"] for c in spec["chunks"]] or "simulator")
+        return real_run_job(stamp, script, spec_path, **kwargs)
+
+    monkeypatch.setattr(toolchains, "run_job", run_job)
+    export = [workspace["export"]]
+    built = []
+    for chunk in (1, 0):
+        out = tmp_path / f"compile-chunks-at-a-longer-path-than-the-compile/{chunk}"
+        record = compile_qnn(export, None, "SM8650", SM8650, "fp16", qnn_stamp, out,
+                             only_chunk=chunk)  # fmt: skip
+        assert sorted(p.name for p in out.iterdir()) == ["chunk.json", qnn.CHUNK_STORE]
+        assert [p.name for p in (out / qnn.CHUNK_STORE).iterdir()] == [record["key"]]
+        assert not list(out.parent.glob(".*"))  # no work directory or store left beside
+        built.insert(0, out)
+    assert ran == [[1], [0]]
+    out = tmp_path / "SM8650-fp16"
+    rebuilt = compile_qnn(export, None, "SM8650", SM8650, "fp16", qnn_stamp, out,
+                          chunk_builds=built)  # fmt: skip
+    assert ran == [[1], [0], "simulator"]
+    assert rebuilt["artifacts"] == manifest["artifacts"]
+    for artifact in manifest["artifacts"]:
+        name = artifact["file"]
+        assert (out / name).read_bytes() == (first / name).read_bytes(), name
+    assert rebuilt["verification"] == manifest["verification"]
+    with pytest.raises(NpuforgeError, match=r"^chunk 2 of an export in 2 chunks: pass "
+                       r"--only-chunk 0 to 1$"):  # fmt: skip
+        compile_qnn(export, None, "SM8650", SM8650, "fp16", qnn_stamp, tmp_path / "c2",
+                    only_chunk=2)  # fmt: skip
+    assert not (tmp_path / "c2").exists()
 
 
 CLOCK_PROBE = """

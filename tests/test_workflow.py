@@ -156,21 +156,36 @@ def test_prefill_export_gets_its_own_calibration_feeding_the_compile(workflow):
     assert [c.replace("/calibration/", "/export/") for c in calibrations] == exports
 
 
-def test_a_chunked_tpumlir_build_runs_a_job_per_chunk_then_the_compile(workflow):
+# Two chunks of the demo model (36.8M parameters, 16.8M of them the head).
+TWO_CHUNKS = {
+    "BM1684X": {"chunks": 2},
+    "SM8650": {"chunk_policy": {"max_chunk_bytes": 40_000_000, "bytes_per_param": 2}},
+}
+
+
+@pytest.mark.parametrize(
+    "backend, target, precision, options",
+    [("tpumlir", "BM1684X", "f16", {"processor": "bm1684x"}),
+     ("qnn", "SM8650", "fp16", {"soc_model": 57, "htp_arch": 75})],
+)  # fmt: skip
+def test_a_chunked_build_runs_a_job_per_chunk_then_the_compile(
+    workflow, backend, target, precision, options
+):
     from npuforge.toolchain import unavailable_reason
 
-    reason = unavailable_reason("tpumlir", "native", {"processor": "bm1684x"})
+    reason = unavailable_reason(backend, "native", options)
     if reason:
-        pytest.skip(f"tpumlir toolchain check refuses here: {reason}")
-    extra = write_extra(workflow, {"targets": {"BM1684X": {"export": {"chunks": 2}}}})
-    select = ["--config", "target=BM1684X", "precision=f16", "toolchain_runtime=native"]
+        pytest.skip(f"{backend} toolchain check refuses here: {reason}")
+    extra = write_extra(workflow, {"targets": {target: {"export": TWO_CHUNKS[target]}}})
+    select = ["--config", f"target={target}", f"precision={precision}"]
+    select.append("toolchain_runtime=native")
     result = snakemake(
         workflow, "--dry-run", "--printshellcmds", "--configfile", extra, *select, check=True
     )
     output = result.stdout + result.stderr
     counts = job_counts(output)
     assert counts["compile_chunk"] == 2 and counts["compile"] == 1
-    commands = [line for line in output.splitlines() if "compile.py --backend tpumlir" in line]
+    commands = [line for line in output.splitlines() if f"compile.py --backend {backend}" in line]
     chunk_jobs = sorted(re.findall(r"--only-chunk (\d+) --out-dir (\S+)", " ".join(commands)))
     assert [chunk for chunk, _ in chunk_jobs] == ["0", "1"]
     compile_cmd = next(line for line in commands if "--only-chunk" not in line)

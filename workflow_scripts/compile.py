@@ -60,7 +60,7 @@ def argument_parser():
         "--only-chunk",
         type=int,
         help="build only this chunk's graphs and keep them in --out-dir for the compile "
-        "(tpumlir: the workflow's chunk jobs)",
+        "(tpumlir, qnn on its ep route: the workflow's chunk jobs)",
     )
     parser.add_argument(
         "--chunk-build",
@@ -89,8 +89,9 @@ def target_options(args) -> dict:
 def main(argv=None):
     args = argument_parser().parse_args(argv)
     backend = backends.get(args.backend)
-    if (args.only_chunk is not None or args.chunk_build) and not getattr(
-        backend, "COMPILES_BY_CHUNK", False
+    by_chunk = getattr(backend, "compiles_by_chunk", None)
+    if (args.only_chunk is not None or args.chunk_build) and not (
+        by_chunk and by_chunk(target_options(args))
     ):
         raise NpuforgeError(
             f"the {args.backend} backend compiles every chunk in one job: drop --only-chunk "

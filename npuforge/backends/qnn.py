@@ -28,17 +28,27 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from npuforge.backends import base, gate, layer_error, qnn_record
 from npuforge.backends.qnn_spec import QUANTIZED, RANGE_MARGIN, build_spec
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, read_json, write_json
-from npuforge.jobs.finished_chunks import FinishedChunks, job_identity, say, store_beside
+from npuforge.jobs.finished_chunks import (
+    FinishedChunks,
+    job_identity,
+    link_or_copy,
+    say,
+    store_beside,
+)
 
 NAME = "qnn"
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "qnn_job.py"
 ROUTES = ("ep", "sdk")
 ROUTE_ENV = "NPUFORGE_QNN_ROUTE"
+# Where a chunk's job (--only-chunk) keeps its contexts in its output directory: a
+# FinishedChunks store the compile takes them back from.
+CHUNK_STORE = "chunks"
 PRECISIONS = ("fp16", "a16w8", "a16w4")
 
 # SoC model ids from the QNN SDK's Qnn_SocModel_t (QnnTypes.h) and HTP
@@ -170,6 +180,13 @@ def route(options: Options | None) -> str:
     return chosen
 
 
+def compiles_by_chunk(options: dict) -> bool:
+    """Whether each chunk's contexts can be a job of their own (--only-chunk), taken back
+    by the compile, which checks them chained on the simulator: the ep route's chunks
+    are independent; the sdk route builds every chunk in the compile."""
+    return route(SimpleNamespace(route=options.get("route"))) == "ep"
+
+
 def supported_precisions(htp_arch: int) -> list[str]:
     return [p for p in PRECISIONS if int(htp_arch) >= MIN_HTP_ARCH[p]]
 
@@ -244,6 +261,8 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
     exports = base.load_exports(request.exports, NAME)
     stamp = base.read_toolchain(request.toolchain, NAME)
     schedule = base.verification_schedule(exports, options.verify_steps)
+    if request.only_chunk is not None:
+        return compile_chunk_job(request, exports, calibrations, stamp, schedule)
     out_dir = request.out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.work-", dir=out_dir.parent))
@@ -265,6 +284,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             read_only = [e.dir for e in exports.values()]
             read_only += [Path(d).resolve() for d in calibrations.values()]
             jobs = ChunkJobs(request, spec, read_only, staging.resolve(), work_dir, stamp)
+            jobs.chunk_stores = [Path(d) / CHUNK_STORE for d in request.chunk_builds]
             compiled = jobs.compile_every_chunk()
             if spec.get("verify"):
                 compiled_path = jobs.roots["work"] / "compiled.json"  # absolute: the job's cwd
@@ -289,6 +309,51 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 )
             )
             gate.check_gate(target, precision, record["verification"], fix)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    jobs.finished.clear()
+    return record
+
+
+def compile_chunk_job(request, exports, calibrations, stamp, schedule) -> dict:
+    """One chunk's contexts (every graph variant's), built as the compile builds them and
+    kept in ``out_dir`` under the key the compile looks them up by: the compile takes
+    them back instead of building them (the same bytes, which do not depend on where a
+    chunk is staged) and checks every chunk chained on the simulator. The workflow's
+    compile_chunk jobs, side by side on a many-core host or a cluster."""
+    options, precision, index = request.options, request.precision, request.only_chunk
+    chunks = len(exports["decode"].graphs)
+    if not 0 <= index < chunks:
+        raise NpuforgeError(
+            f"chunk {index} of an export in {chunks} chunks: pass --only-chunk 0 to {chunks - 1}"
+        )
+    out_dir = request.out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.work-", dir=out_dir.parent))
+    try:
+        with atomic_path(out_dir) as staging:
+            build = staging / "build"
+            build.mkdir(parents=True)
+            analysed = LayerErrorInputs(schedule, options, precision, work_dir)
+            if analysed.steps:  # the per-layer analysis feeds the reference's inputs
+                text = base.verification_tokens(
+                    schedule[-1].position + schedule[-1].tokens,
+                    exports["decode"],
+                    request.heldout,
+                    list(calibrations.values()),
+                )
+                base.reference_logits(exports, schedule, text["ids"], analysed.capture)
+            spec = build_spec(exports, calibrations, options, precision, build, work_dir, None)
+            analysed.add_to(spec)
+            read_only = [e.dir for e in exports.values()]
+            read_only += [Path(d).resolve() for d in calibrations.values()]
+            jobs = ChunkJobs(request, spec, read_only, build.resolve(), work_dir, stamp)
+            jobs.compile_chunk(spec["chunks"][index])
+            key = jobs.keys[index]
+            link_or_copy(jobs.finished.dir / key, staging / CHUNK_STORE / key)
+            shutil.rmtree(build)
+            record = {"chunk": index, "key": key}
+            write_json(staging / "chunk.json", record)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     jobs.finished.clear()
@@ -352,6 +417,18 @@ class ChunkJobs:
         self.roots = {"staging": Path(staging).resolve(), "work": Path(work_dir).resolve()}
         identity = job_identity(JOB_SCRIPT, stamp)
         self.finished = FinishedChunks(store_beside(request.out_dir.resolve()), identity)
+        # The stores of the workflow's chunk jobs (compile_chunk_job), searched after ours.
+        self.chunk_stores: list[Path] = []
+        self.keys: dict = {}  # chunk index -> the key its contexts are kept under
+
+    def restore(self, key) -> str | None:
+        """Put a chunk built before back under the roots; who built it, or None."""
+        if self.finished.restore(key, self.roots) is not None:
+            return "an earlier run of this compile"
+        for store in self.chunk_stores:
+            if FinishedChunks(store).restore(key, self.roots) is not None:
+                return "its chunk's job"
+        return None
 
     def run(self, spec_path) -> None:
         writable = list(self.roots.values())
@@ -377,8 +454,10 @@ class ChunkJobs:
         write_json(spec_path, {**spec, "chunks": [chunk], "work_dir": str(chunk_dir)})
         description = spec_path.read_text(encoding="utf-8")
         key = self.finished.key(description, self.roots, inputs=chunk_inputs(chunk))
-        if self.finished.restore(key, self.roots) is not None:
-            say(f"chunk {index}: built by an earlier run of this compile, reused ({key[:12]})")
+        self.keys[index] = key
+        reused = self.restore(key)
+        if reused:
+            say(f"chunk {index}: built by {reused}, reused ({key[:12]})")
         else:
             try:
                 self.run(spec_path)

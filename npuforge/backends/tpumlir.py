@@ -59,8 +59,6 @@ from npuforge.errors import NpuforgeError
 from npuforge.jobs.finished_chunks import link_or_copy
 
 NAME = "tpumlir"
-# Each chunk's nets can be a job of their own (--only-chunk), combined by the compile.
-COMPILES_BY_CHUNK = True
 # Node names of a group-offsets export's side matmuls contain this (the attribute of
 # npuforge.models.llama.group_offsets.GroupOffsetLinear; that module imports torch).
 GROUP_OFFSETS_NODE = "group_offsets"
@@ -477,6 +475,11 @@ def net_test_feeds(request, exports: dict) -> dict:
         needed, exports["decode"], request.heldout, list(request.calibrations)
     )
     return real_test_feeds(exports, schedule, text["ids"])
+
+
+def compiles_by_chunk(options: dict) -> bool:
+    """Each chunk's nets can be a job of their own (--only-chunk), combined by the compile."""
+    return True
 
 
 def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend interface
