@@ -259,6 +259,17 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
         even = [end - start for start, end in split_layers(layers, chunks)]
         sizes = None if sizes == even else tuple(sizes)
         return MemoryPlan(chunks, sizes, need(chunks, sizes), int(budget))
+    heaviest = max(chunk_params(counts, layers, layers, external))
+    if need(layers) <= budget:  # the device's limit on a chunk's weights, not the host's
+        weights = heaviest * float(policy["bytes_per_param"])
+        problem = (
+            f"one layer with the head (the heaviest one-layer chunk) holds about "
+            f"{_gb(weights)} of weights at {policy['bytes_per_param']:g} bytes/parameter, "
+            f"over the target's chunk_policy max_chunk_bytes of "
+            f"{_gb(policy['max_chunk_bytes'])}; choose a precision with fewer bytes per "
+            "parameter or a target whose device takes larger chunks"
+        )
+        return MemoryPlan(layers, None, need(layers), int(budget), problem)
     what = (
         f"one layer with the head (the heaviest one-layer chunk) needs about "
         f"{_gb(need(layers))} to compile ({per_param:g} bytes/parameter, "

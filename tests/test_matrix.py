@@ -719,6 +719,18 @@ def test_a_layer_alone_over_the_budget_stops_the_plan_in_one_line():
     )
 
 
+def test_a_layer_over_the_devices_chunk_limit_names_the_limit_not_the_budget():
+    # One layer and the head (80.2M parameters, 160 MB in fp16) over a device's limit of
+    # 100 MB per chunk, within a host budget of 16 GB.
+    target = budgeted("SM8650", 16)
+    target["export"] = {**target["export"], "chunk_policy": {"max_chunk_bytes": 100e6,
+                                                             "bytes_per_param": 2}}  # fmt: skip
+    message = refusal(MID, "SM8650", target, "fp16")
+    assert "holds about 0.2 GB of weights at 2 bytes/parameter, over the target's " in message
+    assert "chunk_policy max_chunk_bytes of 0.1 GB" in message
+    assert "memory_budget_gb" not in message
+
+
 def test_explicit_chunks_win_and_are_refused_when_they_break_the_budget():
     fixed = dict(MID, export={"chunks": 4})
     assert memory_plan(fixed, budgeted("RK3588", 13), "fp16").chunks == 4
