@@ -157,3 +157,31 @@ def test_a_qnn_stage_holds_every_module_the_job_imports():
     siblings = imported & {path.stem for path in jobs.glob("*.py")}
     assert {"job_stage", "qnn_quantizer", "qnn_session", "qnn_graph", "qnn_log"} <= siblings
     assert "qnn_job" in staged and siblings <= staged
+
+
+PINNED = """
+import os, sys
+from npuforge.jobs import job_stage
+wanted = int(sys.argv[1])
+job_stage.current_cpu = lambda: wanted  # where the scheduler runs it now
+job_stage.one_cpu()
+print(*sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_job_takes_the_cpu_it_runs_on_not_one_its_pid_picks():
+    # In a container every job has the same small pid: chosen by pid, side-by-side chunk
+    # jobs all took one CPU. Each job stays where the scheduler runs it.
+    allowed = sorted(os.sched_getaffinity(0))
+    for cpu in [allowed[0], allowed[-1]] * 3:  # by pid: right by chance 1 in 2 each
+        ran = subprocess.run(
+            [sys.executable, "-c", PINNED, str(cpu)], capture_output=True, text=True, check=True
+        )
+        assert ran.stdout.split() == [str(cpu)]
+    # The CPU /proc says the process runs on: once pinned, the one it is pinned to.
+    probe = "import os; from npuforge.jobs import job_stage as j; j.one_cpu(); "
+    probe += "print(j.current_cpu(), *os.sched_getaffinity(0))"
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    now, pinned = ran.stdout.split()
+    assert now == pinned and int(now) in allowed

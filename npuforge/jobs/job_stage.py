@@ -136,11 +136,24 @@ def die_with_parent(then=None):
 
 def one_cpu() -> None:
     """Run this process (and what it execs) on one CPU: thread pools size themselves by
-    the CPUs allowed, and threads' allocations interleave by load. Any one CPU will do;
-    concurrent jobs spread over the allowed ones."""
+    the CPUs allowed, and threads' allocations interleave by load. Any one CPU will do
+    for the bytes; the one the scheduler runs it on now (it starts a process on an idle
+    one), so concurrent jobs spread. Not one chosen by pid: in a container every job has
+    the same small pid, and side-by-side chunk jobs all took one CPU."""
     if hasattr(os, "sched_setaffinity"):
         allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {allowed[os.getpid() % len(allowed)]})
+        cpu = current_cpu()
+        os.sched_setaffinity(0, {cpu if cpu in allowed else allowed[0]})
+
+
+def current_cpu() -> int | None:
+    """The CPU this process last ran on (field 39 of /proc/self/stat), or None."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[39 - 3])  # fields after the name start at the 3rd
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def tunable(tunables: str, name: str):
