@@ -37,6 +37,7 @@ else:
     )
 
 from npuforge import memory_plan
+from npuforge.memory import available_mb
 from npuforge.calibration_formats import LAYOUT as CALIBRATION_LAYOUT
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import files_digest
@@ -102,6 +103,17 @@ try:
             print(f"npuforge: skipping target {_target}: {_reason}", file=sys.stderr)
 except NpuforgeError as err:
     _stop(err)
+
+
+# A local run starts no more jobs at once than the memory free now holds, by the mem_mb
+# each job reserves (a compile's is its plan's): chunk jobs side by side on a many-core
+# host would otherwise each take a budget. --resources mem_mb=N sets another total.
+if workflow.local_exec and not any(
+    name in workflow.global_resources for name in ("mem", "mem_mb", "mem_mib")
+):
+    _free_mb = available_mb()
+    if _free_mb:
+        workflow.global_resources["mem_mb"] = _free_mb
 
 
 def lock_results():

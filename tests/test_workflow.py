@@ -277,7 +277,15 @@ def release_files(workflow):
 
 def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow):
     """The README's build on the embedded demo model, end to end, twice from scratch."""
-    snakemake(workflow, check=True)
+    built = snakemake(workflow, check=True)
+    # Unless told, a run starts no more jobs at once than the host's free memory holds.
+    free = re.search(
+        r'Provided resources: .*mem_mb=Resource\("mem_mb", (\d+)\)', built.stdout + built.stderr
+    )
+    assert (
+        free
+        and 0 < int(free.group(1)) <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e6
+    )
     bundle = workflow / "results" / "release" / "rwkv7-demo" / "onnx" / "fp32"
     assert (bundle / "manifest.json").is_file()
     assert (bundle.parent / "fp32.tar.gz").is_file()
@@ -310,8 +318,11 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
     second = {"onnx-v16": reference_target(EXTRA_TARGETS["onnx-v16"])}
     extra = write_extra(workflow, {"targets": second})
     select = ("--config", "target=onnx,onnx-v16")
-    added = snakemake(workflow, "--configfile", extra, *select, check=True)
+    added = snakemake(
+        workflow, "--configfile", extra, *select, "--resources", "mem_mb=123456", check=True
+    )
     assert job_counts(added.stdout + added.stderr) == one_target_jobs
+    assert 'mem_mb=Resource("mem_mb", 123456)' in added.stdout + added.stderr  # as told
     # The index lists every bundle in results/release, whichever selection built it.
     index = json.loads((workflow / "results" / "release" / "index.json").read_text())
     rows = [(b["model"], b["target"], b["precision"]) for b in index["bundles"]]
