@@ -50,6 +50,14 @@ class Plan:
         need = self.memory[(model, target, precision)].need_bytes
         return max(floor, math.ceil(need / 1e6))
 
+    def chunk_mem_mb(self, model: str, target: str, precision: str, chunk: int) -> int:
+        """What a chunk's own compile job reserves: its chunk's need by the plan's
+        figures (the heaviest chunk's is the compile's), at least the target's
+        compile_mem_mb."""
+        floor = int(self.targets[target].get("compile_mem_mb", DEFAULT_COMPILE_MEM_MB))
+        need = self.memory[(model, target, precision)].chunk_need_bytes[chunk]
+        return max(floor, math.ceil(need / 1e6))
+
     def chunk_jobs(self, model: str, target: str, precision: str) -> list[int]:
         """The chunks whose compile is a job of its own, ahead of the compile that combines
         and checks them: every chunk of a build in more than one, where the target's

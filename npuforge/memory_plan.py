@@ -196,6 +196,8 @@ class MemoryPlan:
     budget_bytes: int
     # Why no plan fits (one line, without the build's name), else None.
     problem: str | None = None
+    # Each chunk's need by the same figures, where its compile is a job of its own.
+    chunk_need_bytes: tuple = ()
 
 
 def memory_plan(model: dict, target: dict, precision: str | None = None) -> MemoryPlan:
@@ -226,9 +228,12 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     if policy:
         most_params = min(most_params, policy["max_chunk_bytes"] / policy["bytes_per_param"])
 
+    def needs(chunks: int, sizes=None) -> tuple:
+        params = chunk_params(counts, layers, chunks, external, sizes)
+        return tuple(int((per_param + reference) * size) for size in params)
+
     def need(chunks: int, sizes=None) -> int:
-        heaviest = max(chunk_params(counts, layers, chunks, external, sizes))
-        return int((per_param + reference) * heaviest)
+        return max(needs(chunks, sizes))
 
     def sizes_for(chunks: int) -> list[int] | None:
         extra = [0] * chunks
@@ -241,7 +246,7 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     fewest = min(layers, policy_chunks(model, export))
     if "chunks" in export:
         chunks = max(1, min(int(export["chunks"]), layers))
-        plan = MemoryPlan(chunks, None, need(chunks), int(budget))
+        plan = MemoryPlan(chunks, None, need(chunks), int(budget), None, needs(chunks))
         fitting = next((n for n in range(fewest, layers + 1) if sizes_for(n)), None)
         if plan.need_bytes > budget:
             instead = f"leave export.chunks out (the plan takes {fitting}), " if fitting else ""
@@ -258,7 +263,9 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
             continue
         even = [end - start for start, end in split_layers(layers, chunks)]
         sizes = None if sizes == even else tuple(sizes)
-        return MemoryPlan(chunks, sizes, need(chunks, sizes), int(budget))
+        return MemoryPlan(
+            chunks, sizes, need(chunks, sizes), int(budget), None, needs(chunks, sizes)
+        )
     heaviest = max(chunk_params(counts, layers, layers, external))
     if need(layers) <= budget:  # the device's limit on a chunk's weights, not the host's
         weights = heaviest * float(policy["bytes_per_param"])

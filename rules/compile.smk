@@ -61,7 +61,7 @@ rule compile_chunk:
         MAIN_ENV
     threads: lambda w: TARGETS[w.target].get("compile_threads", 1)
     resources:
-        mem_mb=lambda w: PLAN.compile_mem_mb(w.model, w.target, w.precision),
+        mem_mb=lambda w: PLAN.chunk_mem_mb(w.model, w.target, w.precision, int(w.chunk)),
     params:
         code=step_code("compile"),
         options=compile_options,

@@ -696,6 +696,26 @@ def test_the_compile_job_reserves_what_its_plan_needs_above_the_targets_floor():
     assert [k.split("-")[2] for k in plan.export_keys("mid", "RK3588", "fp16")] == ["c2"]
 
 
+def test_each_chunk_job_reserves_its_own_chunks_need():
+    # SM8650 a16w8 within 13 GB: 12 layers, then 12 beside the head. Its chunks are jobs
+    # of their own: the first reserves its 157M parameters' need, the second the
+    # compile's (the heaviest chunk's).
+    from npuforge.backends import base, qnn
+
+    models = dict(MODELS, mid=MID)
+    targets = dict(TARGETS, SM8650=budgeted("SM8650", 13, compile_mem_mb=2000))
+    plan = make_plan(selection(model="mid", target="SM8650", precision="a16w8"), models, targets)
+    assert plan.chunk_jobs("mid", "SM8650", "a16w8") == [0, 1]
+    per_param = qnn.COMPILE_BYTES_PER_PARAM["a16w8"] + base.REFERENCE_BYTES_PER_PARAM
+    first = math.ceil(int(per_param * 12 * MID_LAYER) / 1e6)
+    assert plan.chunk_mem_mb("mid", "SM8650", "a16w8", 0) == first == 5977
+    assert (
+        plan.chunk_mem_mb("mid", "SM8650", "a16w8", 1)
+        == plan.compile_mem_mb("mid", "SM8650", "a16w8")
+        == math.ceil(int(per_param * heaviest_chunk(12)) / 1e6)
+    )
+
+
 def refusal(model, target_id, target, precision):
     models, targets = dict(MODELS, mid=model), dict(TARGETS, **{target_id: target})
     config = selection(model="mid", target=target_id, precision=precision)
