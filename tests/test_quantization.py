@@ -564,6 +564,24 @@ def test_gptq_export_lands_every_projection_on_the_backends_grid(checkpoints, tm
             zero, scale, steps = quantize_data(column, onnx.TensorProto.INT8, symmetric=True)
             assert np.abs(steps * scale - column).max() <= 1e-6 * np.abs(column).max(), name
 
+    # Only the projections named (QNN a16w8 keeps q/k/v/o int16): the rest as exported.
+    mlp = {**eight, "projections": ["gate_proj", "up_proj", "down_proj"]}
+    meta = llama_export.export_llama(checkpoint, tmp_path / "m", gptq=mlp, **common)
+    assert meta["gptq"]["projections"] == ["down_proj", "gate_proj", "up_proj"]
+    graph = onnx.load(str(tmp_path / "m" / meta["graphs"][0]["file"])).graph
+    rounded = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    meta = llama_export.export_llama(checkpoint, tmp_path / "n", **common)
+    graph = onnx.load(str(tmp_path / "n" / meta["graphs"][0]["file"])).graph
+    exported = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for name in projections:
+        if "mlp" in name:
+            assert not np.array_equal(rounded[name], exported[name]), name
+            column = rounded[name][:, 0]
+            zero, scale, steps = quantize_data(column, onnx.TensorProto.INT8, symmetric=True)
+            assert np.abs(steps * scale - column).max() <= 1e-6 * np.abs(column).max(), name
+        else:
+            assert np.array_equal(rounded[name], exported[name]), name
+
 
 GPTQ_DIGEST = """
 import hashlib, sys
@@ -708,6 +726,13 @@ def test_gptq_option_matches_its_grid_to_the_export_split():
     with pytest.raises(NpuforgeError, match="generated must be a count of sequences"):
         llama.export_options(model, export, "w8a8")
     export["gptq"]["w8a8"]["generated"] = 0
+    export["gptq"]["w8a8"]["projections"] = ["down_proj", "gate_proj"]
+    got = llama.export_options(model, export, "w8a8")["gptq"]["projections"]
+    assert got == ["gate_proj", "down_proj"]  # in the order a layer runs them
+    export["gptq"]["w8a8"]["projections"] = ["gate_proj", "mlp"]
+    with pytest.raises(NpuforgeError, match=r"projections \['mlp'\] are not decoder"):
+        llama.export_options(model, export, "w8a8")
+    del export["gptq"]["w8a8"]["projections"]
     export["gptq"]["w8a8"]["symmetric"] = True
     with pytest.raises(NpuforgeError, match="integer_zero is an asymmetric grid"):
         llama.export_options(model, export, "w8a8")

@@ -11,7 +11,11 @@ synthetic checkpoints, the transformers oracle), ``model`` (the torch decoder),
 """
 
 from npuforge.errors import NpuforgeError
-from npuforge.models.llama.config import MASK_VALUE, WHOLE_MODEL_OPTIONS  # noqa: F401
+from npuforge.models.llama.config import (  # noqa: F401
+    MASK_VALUE,
+    PROJECTIONS,
+    WHOLE_MODEL_OPTIONS,
+)
 
 NAME = "llama"
 # Export options this family takes besides the common ones (see npuforge.models).
@@ -124,6 +128,15 @@ def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:
         )
     if generated:
         option["generated"] = generated
+    projections = spec.get("projections")
+    if projections is not None:
+        unknown = sorted(set(projections) - set(PROJECTIONS))
+        if unknown or not projections:
+            raise NpuforgeError(
+                f"export.gptq for {precision}: projections {unknown or projections} are not "
+                f"decoder projections; name some of {', '.join(PROJECTIONS)}"
+            )
+        option["projections"] = [name for name in PROJECTIONS if name in projections]
     return option
 
 

@@ -19,6 +19,8 @@ MASK_VALUE = -64.0
 
 # Export options that change the whole model at once: with one of them the export loads
 # the model whole, without them it reads one chunk's weights at a time.
+# Every decoder layer's projections, in the order a layer runs them.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "gptq")
 
 

@@ -254,7 +254,9 @@ def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -
         bool(options.get("integer_zero", False)),
         bool(options.get("search_range", False)),
     )
-    names = ("gate_proj", "up_proj", "down_proj") if mlp_only else None
+    names = options.get("projections") or (
+        ("gate_proj", "up_proj", "down_proj") if mlp_only else None
+    )
     sampled = []
     if options.get("generated"):
         from npuforge.models.llama import sampling
