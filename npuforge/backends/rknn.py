@@ -318,7 +318,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         work = staging / "work"
         work.mkdir()
         artifacts, placements, rewrites, aslr_disabled, hybrids, errors = [], [], [], [], [], []
-        site_packages, clocks, threads = set(), set(), []
+        site_packages, clocks, threads, simulated = set(), set(), [], []
         previous_outputs = {}
         logits = None
         for index, graph in enumerate(export.graphs):
@@ -388,6 +388,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
             site_packages.add(result.get("site_packages", "none"))
             clocks.add(result.get("fixed_clock"))
             threads.append(result.get("threads"))
+            simulated.append(result.get("simulator_seconds"))
             for spec_out in graph["outputs"]:
                 if spec_out["role"] == "hidden":
                     previous_outputs[spec_out["name"]] = np.load(save[spec_out["name"]])
@@ -403,6 +404,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
                 }
             )
         shutil.rmtree(work)
+        say(simulator_time_line(simulated, steps))
         layer_errors = None
         if errors:
             layer_errors = layer_error.summarize(errors, analysed)
@@ -464,6 +466,20 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         )
     finished.clear()
     return record
+
+
+def simulator_time_line(seconds: list, calls: int) -> str:
+    """Where the simulator's time went: per decode call through every chunk, and per
+    chunk (a chunk reused from an earlier run reports the time it took then)."""
+    if not calls or None in seconds:
+        return "simulator verification: time not reported by every chunk's job"
+    total = sum(seconds)
+    chunks = ", ".join(f"{s:.1f}" for s in seconds)
+    return (
+        f"simulator verification: {total:.1f} s: decode {calls} calls of {calls} tokens "
+        f"through {len(seconds)} chunks ({total / calls:.2f} s per call; per chunk: "
+        f"{chunks} s)"
+    )
 
 
 def write_layer_error_inputs(graph, index, fed, steps, chunk_work) -> list[list[Path]]:
