@@ -78,7 +78,9 @@ BYTES_PER_PARAM = {"fp16": 2.0, "a16w8": 1.0, "a16w4": 0.5}
 # parameters), context generation and the simulator check 3,633 MB, 16.1 bytes/parameter,
 # the step itself 2,077 MB (9.2); taken at 18. a16w8, which also builds a Q/DQ model
 # beside the float one: the same shape in 2 chunks (heaviest 315.2M), 8,592 MB, 27.3
-# bytes/parameter, the step 2,380 MB; taken at 30. a16w4 (not measured) takes a16w8's.
+# bytes/parameter, the step 2,380 MB; taken at 30. a16w4: the same shape in 3 chunks, each
+# a job of its own: 3,447-3,707 MB for 134.5M parameters, 6,160 MB for 225.1M (25.6-27.6
+# bytes/parameter), so a16w8's 30 holds.
 COMPILE_BYTES_PER_PARAM = {"fp16": 18.0, "a16w8": 30.0, "a16w4": 30.0}
 
 # The simulator check's floors against onnxruntime fp32 (see npuforge.backends.gate).
