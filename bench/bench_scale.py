@@ -26,6 +26,15 @@ fresh results directory: pass a fresh --results to measure everything.
                                 [--results /tmp/npuforge-bench-scale]
                                 [--record docs/data/benches.yaml]
 
+Growth from rows recorded on other days (builds too long to run together, each alone):
+
+    python bench/bench_scale.py --from-records docs/data/benches.yaml \
+        --models qwen2.5-0.5b-shape,qwen2.5-1.5b-shape [--record docs/data/benches.yaml]
+
+pairs each model's recorded steps by name (a compile by target and precision, a shared
+step by the targets it was run for) and prints and records their growth exponents; the
+rows keep their own dates, loads and budgets, which the exponents inherit.
+
 --verify-steps overrides every model's verification length (positions checked on the
 simulators), which dominates the wall time of the larger models' compile steps;
 --budget-gb every target's memory_budget_gb (the registry's stop the seed-size shapes at
@@ -372,6 +381,78 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
     return rows
 
 
+def recorded_stages(path: Path, model: str) -> dict:
+    """A model's current ``scale`` rows in a bench data file, as stages keyed by the
+    step's name with its scope ("compile RK3588/fp16", "export (for RK3588)")."""
+    from npuforge.measurements import load_rows
+
+    found = {}
+    for row in load_rows(path):
+        prefix = re.match(rf"{re.escape(model)} \(\d+M parameters\): (.*)$", row["setting"])
+        if row.get("family") != "scale" or row.get("status") != "current" or not prefix:
+            continue
+        figures = row["figures"]
+        found[prefix.group(1)] = {
+            "seconds": float(figures["wall s"]),
+            "step_rss_mb": int(figures["step MB"]),
+            "child_rss_mb": int(figures["processes MB"]),
+            "written": float(figures["written MB"]) * 1e6,
+        }
+    return found
+
+
+def growth_rows(measured, command: str) -> list[dict]:
+    """The growth exponents between consecutive sizes of every step both measured."""
+    from npuforge import measurements
+    from npuforge.release import git_provenance
+
+    git = git_provenance()
+    commit = git["commit"][:7] + (" (dirty)" if git["dirty"] else "")
+    rows = []
+    for (small, p1, s1), (large, p2, s2) in zip(measured, measured[1:], strict=False):
+        for stage in (s for s in s1 if s in s2):
+            rows.append(
+                {
+                    "id": f"scale-growth-{small}-{large}-{slug(stage)}",
+                    "family": "scale_growth",
+                    "setting": f"{stage}: {small} -> {large}",
+                    "figures": {
+                        "time k": exponent(s1[stage]["seconds"], s2[stage]["seconds"], p1, p2),
+                        "memory k": exponent(peak_mb(s1[stage]), peak_mb(s2[stage]), p1, p2),
+                    },
+                    "date": measurements.today(),
+                    "commit": commit,
+                    "command": command,
+                    "status": "current",
+                }
+            )
+    return rows
+
+
+def from_records(args) -> int:
+    """Growth between models from their recorded rows (--from-records)."""
+    measured = []
+    for model in args.models.split(","):
+        found = recorded_stages(args.from_records, model)
+        if not found:
+            print(f"error: {args.from_records} has no current scale rows of {model}; "
+                  "record its build with --record first", file=sys.stderr)  # fmt: skip
+            return 1
+        measured.append((model, parameters(model), found))
+    measured.sort(key=lambda m: m[1])
+    print("Growth (k: wall time or peak memory ~ parameters^k), from recorded rows")
+    print(growth_table(measured))
+    if args.record:
+        from npuforge.measurements import record_bench_rows
+
+        command = (
+            f"python bench/bench_scale.py --from-records {args.from_records} --models {args.models}"
+        )
+        written = record_bench_rows(args.record, growth_rows(measured, command))
+        print(f"\nrecorded {len(written)} rows in {args.record}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b-shape,qwen2.5-1.5b-shape")
@@ -383,7 +464,12 @@ def main() -> int:
     parser.add_argument("--cores", type=int, default=1, help="1: steps do not share the CPU")
     parser.add_argument("--report-only", action="store_true", help="print what --results holds")
     parser.add_argument("--record", type=Path, help="add the figures to this bench data file")
+    parser.add_argument(
+        "--from-records", type=Path, help="growth from this file's recorded rows: build nothing"
+    )
     args = parser.parse_args()
+    if args.from_records:
+        return from_records(args)
     models = args.models.split(",")
     overlay = write_overlay(args, models)
     code = 0

@@ -1,6 +1,7 @@
 """bench/bench_scale.py's reading of a results directory: each finished step's resources
 line and outputs, merged per stage, and the growth exponents between model sizes."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -134,3 +135,52 @@ def test_each_compiles_simulator_check_is_read_whether_it_passed_or_not(tmp_path
         "positions": 40, "calls": "–", "cosine": 0.99541, "cosine mean": 0.99902,
         "top-1": 1.0, "perplexity %": 0.22, "gate": "fails",
     }  # fmt: skip
+
+
+def scale_row(model: str, params_m: int, stage: str, seconds: float, step_mb, child_mb):
+    return {
+        "id": f"scale-{model}-{bench_scale.slug(stage)}",
+        "family": "scale",
+        "setting": f"{model} ({params_m}M parameters): {stage}",
+        "figures": {
+            "wall s": seconds, "step MB": step_mb, "processes MB": child_mb, "written MB": 1.0
+        },
+        "date": "2026-12-05", "commit": "abc1234", "command": "python bench/bench_scale.py",
+        "status": "current",
+    }  # fmt: skip
+
+
+def test_growth_from_recorded_rows_pairs_steps_by_name(tmp_path, monkeypatch, capsys):
+    # Builds too long to run in one go are recorded one at a time; their growth is
+    # computed from the rows, each step paired with its namesake.
+    from npuforge.measurements import load_rows, write_rows
+
+    small, large = "qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"
+    rows = [
+        scale_row(small, 494, "compile RK3588/fp16", 100.0, 1000, 3000),
+        scale_row(small, 494, "export (for RK3588)", 10.0, 500, 0),
+        scale_row(large, 1544, "compile RK3588/fp16", 400.0, 2000, 6000),
+        scale_row(large, 1544, "export (for RK3588)", 30.0, 500, 0),
+        scale_row(large, 1544, "export (for SM8650)", 30.0, 500, 0),  # no namesake
+    ]
+    rows.append({**rows[0], "id": "old", "status": "superseded", "figures": {
+        **rows[0]["figures"], "wall s": 1.0}})  # fmt: skip
+    data = tmp_path / "benches.yaml"
+    write_rows(data, rows)
+    record = tmp_path / "record.yaml"
+    argv = ["bench_scale.py", "--from-records", str(data), "--models", f"{large},{small}"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--record", str(record)])
+    assert bench_scale.main() == 0
+    growth = {r["setting"]: r["figures"] for r in load_rows(record)}
+    ratio = bench_scale.parameters(large) / bench_scale.parameters(small)
+    k_time = f"{math.log(4) / math.log(ratio):.2f}"
+    k_memory = f"{math.log(8000 / 4000) / math.log(ratio):.2f}"
+    assert growth == {
+        f"compile RK3588/fp16: {small} -> {large}": {"time k": k_time, "memory k": k_memory},
+        f"export (for RK3588): {small} -> {large}": {
+            "time k": f"{math.log(3) / math.log(ratio):.2f}", "memory k": "0.00"},
+    }  # fmt: skip
+    assert "from recorded rows" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], f"{small},smollm2-135m"])
+    assert bench_scale.main() == 1
+    assert "has no current scale rows of smollm2-135m" in capsys.readouterr().err
