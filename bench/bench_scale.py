@@ -361,24 +361,7 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
                     "status": "current",
                 }
             )
-    for (small, p1, s1), (large, p2, s2) in zip(measured, measured[1:], strict=False):
-        for stage in (s for s in s1 if s in s2):
-            rows.append(
-                {
-                    "id": f"scale-growth-{small}-{large}-{slug(stage)}",
-                    "family": "scale_growth",
-                    "setting": f"{stage}: {small} -> {large}",
-                    "figures": {
-                        "time k": exponent(s1[stage]["seconds"], s2[stage]["seconds"], p1, p2),
-                        "memory k": exponent(peak_mb(s1[stage]), peak_mb(s2[stage]), p1, p2),
-                    },
-                    "date": measurements.today(),
-                    "commit": commit,
-                    "command": command,
-                    "status": "current",
-                }
-            )
-    return rows
+    return rows + growth_rows(measured, command)
 
 
 def recorded_stages(path: Path, model: str) -> dict:
