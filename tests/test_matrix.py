@@ -698,22 +698,48 @@ def test_the_compile_job_reserves_what_its_plan_needs_above_the_targets_floor():
 
 def test_each_chunk_job_reserves_its_own_chunks_need():
     # SM8650 a16w8 within 13 GB: 12 layers, then 12 beside the head. Its chunks are jobs
-    # of their own: the first reserves its 157M parameters' need, the second the
-    # compile's (the heaviest chunk's).
+    # of their own that run no fp32 graph: each reserves its chunk's compile alone; the
+    # compile, which runs the reference, the heaviest chunk's compile with it.
     from npuforge.backends import base, qnn
 
     models = dict(MODELS, mid=MID)
     targets = dict(TARGETS, SM8650=budgeted("SM8650", 13, compile_mem_mb=2000))
     plan = make_plan(selection(model="mid", target="SM8650", precision="a16w8"), models, targets)
     assert plan.chunk_jobs("mid", "SM8650", "a16w8") == [0, 1]
-    per_param = qnn.COMPILE_BYTES_PER_PARAM["a16w8"] + base.REFERENCE_BYTES_PER_PARAM
-    first = math.ceil(int(per_param * 12 * MID_LAYER) / 1e6)
-    assert plan.chunk_mem_mb("mid", "SM8650", "a16w8", 0) == first == 5977
-    assert (
-        plan.chunk_mem_mb("mid", "SM8650", "a16w8", 1)
-        == plan.compile_mem_mb("mid", "SM8650", "a16w8")
-        == math.ceil(int(per_param * heaviest_chunk(12)) / 1e6)
+    compile_only = qnn.COMPILE_BYTES_PER_PARAM["a16w8"]
+    with_reference = compile_only + base.REFERENCE_BYTES_PER_PARAM
+    first = math.ceil(int(compile_only * 12 * MID_LAYER) / 1e6)
+    assert plan.chunk_mem_mb("mid", "SM8650", "a16w8", 0) == first == 4719
+    last = plan.chunk_mem_mb("mid", "SM8650", "a16w8", 1)
+    assert last == math.ceil(int(compile_only * heaviest_chunk(12)) / 1e6)
+    compile_mb = plan.compile_mem_mb("mid", "SM8650", "a16w8")
+    assert compile_mb == math.ceil(int(with_reference * heaviest_chunk(12)) / 1e6) > last
+
+    # With the per-layer analysis (layer_error), a chunk's job runs the fp32 graphs too.
+    analysed = budgeted("SM8650", 13, compile_mem_mb=2000)
+    analysed["options"]["layer_error"] = 4
+    plan = make_plan(
+        selection(model="mid", target="SM8650", precision="a16w8"),
+        models,
+        dict(TARGETS, SM8650=analysed),
     )
+    assert plan.chunk_mem_mb("mid", "SM8650", "a16w8", 1) == compile_mb
+    assert plan.chunk_mem_mb("mid", "SM8650", "a16w8", 0) == math.ceil(
+        int(with_reference * 12 * MID_LAYER) / 1e6
+    )
+
+
+def test_tpumlir_chunk_jobs_reserve_the_reference_run_they_make():
+    # A TPU-MLIR chunk job runs the fp32 graphs for its nets' test feeds.
+    models = dict(MODELS, mid=MID)
+    targets = dict(TARGETS, BM1684X=budgeted("BM1684X", 4, compile_mem_mb=1000))
+    plan = make_plan(selection(model="mid", target="BM1684X", precision="f16"), models, targets)
+    chunks = plan.chunk_jobs("mid", "BM1684X", "f16")
+    assert len(chunks) > 1
+    memory = plan.memory[("mid", "BM1684X", "f16")]
+    assert max(memory.chunk_need_bytes) == memory.need_bytes
+    last = plan.chunk_mem_mb("mid", "BM1684X", "f16", chunks[-1])
+    assert last == plan.compile_mem_mb("mid", "BM1684X", "f16") > 1000
 
 
 def refusal(model, target_id, target, precision):

@@ -189,6 +189,12 @@ def compiles_by_chunk(options: dict) -> bool:
     return route(SimpleNamespace(route=options.get("route"))) == "ep"
 
 
+def chunk_job_runs_reference(options: dict) -> bool:
+    """Whether a chunk's job runs the fp32 graphs (the planner reserves their memory):
+    only the layer_error analysis feeds the chunk the reference run's inputs."""
+    return int(options.get("layer_error") or 0) > 0
+
+
 def supported_precisions(htp_arch: int) -> list[str]:
     return [p for p in PRECISIONS if int(htp_arch) >= MIN_HTP_ARCH[p]]
 

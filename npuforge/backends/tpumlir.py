@@ -482,6 +482,11 @@ def compiles_by_chunk(options: dict) -> bool:
     return True
 
 
+def chunk_job_runs_reference(options: dict) -> bool:
+    """A chunk's job runs the fp32 graphs over held-out text for its nets' test feeds."""
+    return True
+
+
 def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend interface
     """Spec -> toolchain job -> bmodel + compile.json in ``out_dir``, verified on the cmodel.
 
