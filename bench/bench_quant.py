@@ -12,7 +12,9 @@ on) after the kv_prefix <|im_start|>, every decoder matmul's weights fake-quanti
           rotation then GPTQ; "range": each row's (group's) range searched
           (npuforge.quantization, search_range) for round to nearest or GPTQ;
           "generated": GPTQ's Hessians also from 64 sequences the model samples itself
-          (npuforge.models.llama.sampling, gptq's generated option)
+          (npuforge.models.llama.sampling, gptq's generated option); "awq": input-channel
+          scales searched for the row's grid on the calibration text and folded into the
+          norms and up_proj (npuforge.models.llama.awq), then round to nearest or GPTQ
   w8a8    8-bit weights on RKNN's grid (asymmetric per output channel, zero on a level)
           plus every decoder matmul's input at 8 bits per tensor (zero on a level, as
           every backend's activation quantizer has it), ranges from the calibration
@@ -271,7 +273,7 @@ def calibration(model_dir, vocab, cap=None):
 def run_model(model_id, model_dir, args, rows):
     import torch
 
-    from npuforge.models.llama import rotation, rounding, sampling
+    from npuforge.models.llama import awq, rotation, rounding, sampling
     from npuforge.models.llama.config import load_config
     from npuforge.models.llama.model import build_model
     from npuforge.models.llama.rounding import SUBLAYERS
@@ -306,27 +308,33 @@ def run_model(model_id, model_dir, args, rows):
     def sampled_by(base):
         return sampling.generate(base, sequences, GENERATED, EXPORT_CACHE - len(PREFIX), PREFIX)
 
+    @functools.cache
+    def scaled_for(grid, rotate):
+        scaled = copy.deepcopy(bases[rotate])
+        awq.scale_decoder(scaled, sequences, PREFIX, grid)
+        return scaled
+
     # The w8a8 rows' GPTQ'd exports, shared by the two ways of quantizing them.
     exports = {}
     for row in rows:
         name, _, lever = row.partition(":")
         grid = grids()[name]
         rotate, gptq = lever.startswith("rotation"), "gptq" in lever
-        generated = lever.endswith("generated")
+        generated, scaled = lever.endswith("generated"), lever.startswith("awq")
         searched = dataclasses.replace(grid, search_range=lever.endswith("range"))
         start = time.perf_counter()
-        # The export: fp32 weights (the backend rounds them), or the export's own rounding
-        # (GPTQ's, or to nearest on searched ranges).
-        export = bases[rotate]
+        # The export: fp32 weights (the backend rounds them; AWQ's scaled for its grid),
+        # or the export's own rounding (GPTQ's, or to nearest on searched ranges).
+        export = scaled_for(grid, rotate) if scaled else bases[rotate]
         if gptq or searched.search_range:
-            export = exports.get((searched, rotate, gptq, generated))
+            export = exports.get((searched, rotate, gptq, generated, scaled))
             if export is None:
-                export = copy.deepcopy(bases[rotate])
+                export = copy.deepcopy(scaled_for(grid, rotate) if scaled else bases[rotate])
                 method = "gptq" if gptq else "nearest"
                 texts = sequences + (sampled_by(bases[rotate]) if generated else [])
                 rounding.round_decoder(export, texts, PREFIX, searched, method)
                 if name.startswith("w8a8"):
-                    exports[(searched, rotate, gptq, generated)] = export
+                    exports[(searched, rotate, gptq, generated, scaled)] = export
         caches = base_caches[rotate]
         quantized = every - rk3588_float_names() if name == "w8a8-rk3588" else every
         ranges = None
@@ -372,6 +380,8 @@ LEVER_SETTINGS = {
     "rotation+gptq+range": "rotation + GPTQ, range searched",
     "gptq+generated": "GPTQ, Hessians also from 64 sampled sequences",
     "rotation+gptq+generated": "rotation + GPTQ, Hessians also from 64 sampled sequences",
+    "awq": "AWQ scales, round to nearest",
+    "awq+gptq": "AWQ scales, then GPTQ",
 }
 
 

@@ -382,7 +382,7 @@ def check_batch(models: dict, targets: dict, builds) -> None:
 
 # Export options that map precisions to values: each such precision gets its own export.
 PER_PRECISION_EXPORT = (
-    "smoothquant", "group_offsets", "block_centres", "tanh_silu", "rotate", "gptq",
+    "smoothquant", "group_offsets", "block_centres", "tanh_silu", "rotate", "awq", "gptq",
 )  # fmt: skip
 
 

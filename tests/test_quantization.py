@@ -815,3 +815,122 @@ def test_a_gptq_build_is_gated_against_the_export_before_rounding(checkpoints, t
         gate.check_gate("RK3588", "w8a8", failed, "try fp16")
     with pytest.raises(NpuforgeError, match="give one per export"):
         request([tmp_path / "plain", tmp_path / "rounded"])
+
+
+def test_awq_picks_the_scale_with_the_least_output_error_on_the_inputs():
+    # One input channel 50x the others: scaling its weights up before rounding (and the
+    # input down) takes most of the output's rounding error away. The Gram-matrix loss
+    # best_scale minimises is the error of X W^T computed directly, alpha by alpha.
+    import torch
+
+    from npuforge.models.llama import awq
+    from npuforge.quantization import WeightGrid, round_to_nearest
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=generator, dtype=torch.float64)
+    x[:, 5] *= 50
+    weight = torch.randn(24, 32, generator=generator, dtype=torch.float64)
+    grid = WeightGrid(4, 16)
+    scale, alpha, loss, plain = awq.best_scale([weight], x.T @ x, x.abs().mean(0), grid)
+
+    def direct(a):
+        s = x.abs().mean(0) ** a
+        s = s / (s.max() * s.min()).sqrt()
+        rounded = round_to_nearest(weight * s, grid) / s
+        return float(((x @ weight.T - x @ rounded.T) ** 2).sum())
+
+    losses = {a: direct(a) for a in awq.ALPHAS}
+    assert alpha == min(losses, key=losses.get) > 0
+    assert loss == pytest.approx(losses[alpha], rel=1e-9)
+    assert plain == pytest.approx(losses[0.0], rel=1e-9) and loss < 0.5 * plain
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2", "qwen3"])
+def test_awq_keeps_the_logits_and_its_rounded_model_errs_less(checkpoints, tmp_path, kind):
+    """Scales folded into the norms and up_proj's rows change no fp32 logit; rounded to
+    4 bits, the scaled model is closer to fp32 than the model rounded as it came."""
+    import copy
+
+    import torch
+
+    from npuforge.models.llama import awq, rounding
+    from npuforge.models.llama import config as llama_config
+    from npuforge.models.llama import model as llama_model
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.models.llama import weights as llama_weights
+    from npuforge.quantization import WeightGrid
+
+    checkpoint = _outlier_checkpoint(checkpoints[kind], tmp_path / "outlier")
+    cfg = llama_config.load_config(checkpoint)
+    model = llama_model.build_model(cfg, llama_weights.load_state_dict(checkpoint), 64)
+    rng = np.random.default_rng(5)
+    calibration = rng.integers(0, cfg.vocab_size, (6, 40)).tolist()
+    heldout = rng.integers(0, cfg.vocab_size, 48).tolist()
+
+    def logits(m):
+        return llama_export.run_from_empty_cache(m, [heldout], 64)[0].numpy()
+
+    fp32 = logits(model)
+    grid = WeightGrid(4, 16)
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        record = awq.scale_decoder(scaled, calibration, [1], grid)
+    assert np.abs(logits(scaled) - fp32).max() <= 1e-5 * np.abs(fp32).max()
+    errors = record["output_error"]
+    assert errors["scaled and rounded"] < errors["rounded"]
+    for m in (model, scaled):
+        rounding.round_decoder(m, [], [1], grid, "nearest")
+    assert np.abs(logits(scaled) - fp32).mean() < np.abs(logits(model) - fp32).mean()
+
+
+@pytest.mark.parametrize(
+    "kind, rotate, kv_prefix, sha",
+    [("qwen2", None, (), False), ("smollm2", {"seed": 4}, (1,), True)],
+)
+def test_awq_export_matches_transformers_and_records_its_scales(
+    checkpoints, tmp_path, kind, rotate, kv_prefix, sha
+):
+    """An export with AWQ scales (after a rotation, with a kv_prefix and the MHA->SHA pass
+    as given) is the same function in fp32, decode after prefill through onnxruntime."""
+    from npuforge.models.llama import onnx_export as llama_export
+    from npuforge.runtime import GraphChain
+
+    checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
+    text = tmp_path / "text.txt"  # short: keeps the test quick
+    text.write_text("The keeper writes three lines in the logbook every evening. " * 6)
+    scales = {"bits": 4, "group": 16, "symmetric": False, "text": str(text)}
+    common = dict(
+        dtype="fp32", chunks=2, batch=1, cache_len=64, kv_prefix=kv_prefix, sha=sha,
+        rotate=rotate, awq=scales,
+    )  # fmt: skip
+    prefill = llama_export.export_llama(
+        checkpoint, tmp_path / "p", variant="prefill", tokens=8, **common
+    )
+    llama_export.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
+    record = prefill["awq"]
+    assert prefill["options"]["awq"] == "4-bit asymmetric, groups of 16" == record["grid"]
+    assert record["text"]["documents"] == 1
+    assert record["groups"].endswith("(down_proj reads a rotation)") == bool(rotate)
+    ids = np.random.default_rng(2).integers(0, vocab, (1, 24))
+    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
+    got = [chain.step(ids[:, :8])]
+    decode.state, decode.position = chain.state, chain.position
+    got = np.concatenate(got + [decode.step(ids[:, p : p + 1]) for p in range(8, 24)], axis=1)
+    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
+    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_awq_is_a_per_precision_export_option_on_the_backends_grid():
+    from npuforge.models import llama
+
+    model = {"context_length": 64}
+    export = {"awq": {"a16w4": {"bits": 4, "group": 32, "symmetric": True}}, "rotate": {"a16w4": 1}}
+    options = llama.export_options(model, export, "a16w4")
+    assert options["awq"] == {"bits": 4, "group": 32, "symmetric": True} and options["rotate"]
+    assert "awq" not in llama.export_options(model, export, "a16w8")
+    with pytest.raises(NpuforgeError, match="export.awq for w4f16: 4-bit weights per output"):
+        llama.export_options(model, {"awq": {"w4f16": {"bits": 4}}}, "w4f16")
+    export = {"awq": {"w8a8": {"bits": 8}}, "smoothquant": {"w8a8": 0.5}}
+    with pytest.raises(NpuforgeError, match="smoothquant and export.awq both name w8a8"):
+        llama.export_options(model, export, "w8a8")

@@ -30,6 +30,7 @@ EXPORT_OPTIONS = (
     "group_offsets",
     "block_centres",
     "rotate",
+    "awq",
     "gptq",
 )
 
@@ -42,6 +43,7 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     graph choice (the Qualcomm HTP targets ask for it) that changes the bytes;
     ``smoothquant: {precision: alpha}``, ``group_offsets: {precision: group}``,
     ``block_centres: {precision: group}``, ``rotate: {precision: seed}``,
+    ``awq: {precision: {bits, group, symmetric}}``,
     ``gptq: {precision: {bits, group, symmetric}}`` and ``tanh_silu: [precision, ...]``
     give that precision an export of its own.
     """
@@ -66,6 +68,14 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
                 f"spreads the outliers SmoothQuant moves: keep {precision} in one of them"
             )
         options["rotate"] = {"seed": int(seed)}
+    scales = (export.get("awq") or {}).get(precision)
+    if scales is not None:
+        if alpha is not None:
+            raise NpuforgeError(
+                f"export.smoothquant and export.awq both name {precision}; both fold "
+                f"input-channel scales into the norms: keep {precision} in one of them"
+            )
+        options["awq"] = awq_option(precision, scales)
     group = (export.get("group_offsets") or {}).get(precision)
     centres = (export.get("block_centres") or {}).get(precision)
     if group is not None and centres is not None:
@@ -88,6 +98,21 @@ def export_options(model: dict, export: dict, precision: str | None = None) -> d
     if rounding is not None:
         options["gptq"] = gptq_option(precision, rounding, group if centres is None else centres)
     return options
+
+
+def awq_option(precision: str, spec: dict) -> dict:
+    """The grid a precision's AWQ scales are searched for (the backend's own grid)."""
+    bits, group = int(spec["bits"]), spec.get("group")
+    symmetric = bool(spec.get("symmetric", group is None))
+    if bits == 4 and group is None:
+        raise NpuforgeError(
+            f"export.awq for {precision}: 4-bit weights per output channel are not a grid "
+            "any backend builds here; give the group the backend quantizes in (say 32)"
+        )
+    option = {"bits": bits, "symmetric": symmetric}
+    if group is not None:
+        option["group"] = int(group)
+    return option
 
 
 def gptq_option(precision: str, spec: dict, split_group: int | None) -> dict:

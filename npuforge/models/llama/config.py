@@ -21,7 +21,7 @@ MASK_VALUE = -64.0
 # the model whole, without them it reads one chunk's weights at a time.
 # Every decoder layer's projections, in the order a layer runs them.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "gptq")
+WHOLE_MODEL_OPTIONS = ("smoothquant", "group_offsets", "block_centres", "rotate", "awq", "gptq")
 
 
 @dataclass(frozen=True)

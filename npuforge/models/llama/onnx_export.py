@@ -213,14 +213,27 @@ def write_kv_prefix(directory, rows, cfg, prefix) -> dict:
     }
 
 
-def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
-    """Fold SmoothQuant scales measured on the calibration text into ``model``."""
+def _calibration_sequences(model, checkpoint_dir, text) -> tuple:
+    """The calibration text's documents (the project's where ``text`` is empty) as token
+    ids, and the record of which text and tokenizer they are."""
     from npuforge import texts
-    from npuforge.models.llama import smoothing
 
-    documents = texts.read_documents(options.get("text") or None)
+    documents = texts.read_documents(text or None)
     tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
     sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
+    record = {
+        "documents": len(documents),
+        "sha256": texts.text_digest(documents),
+        "tokenizer": described,
+    }
+    return sequences, record
+
+
+def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
+    """Fold SmoothQuant scales measured on the calibration text into ``model``."""
+    from npuforge.models.llama import smoothing
+
+    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
 
     def run(ids):
         run_from_empty_cache(model, [ids], cache_len)
@@ -228,25 +241,28 @@ def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) 
     room = cache_len - len(prefix)
     ranges = smoothing.activation_ranges(model, sequences, prefix, room, run)
     summary = smoothing.smooth(model, ranges, float(options["alpha"]))
-    summary["text"] = {
-        "documents": len(documents),
-        "sha256": texts.text_digest(documents),
-        "tokenizer": described,
-        "tokens_per_document": smoothing.TOKENS_PER_DOCUMENT,
-    }
+    summary["text"] = dict(text, tokens_per_document=smoothing.TOKENS_PER_DOCUMENT)
     return summary
+
+
+def _scale(model, checkpoint_dir, options: dict, prefix: list) -> dict:
+    """Fold AWQ scales for the grid ``options`` names, searched on the calibration text
+    (whole documents, after the kv_prefix), into ``model``."""
+    from npuforge.models.llama import awq
+    from npuforge.quantization import WeightGrid
+
+    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
+    grid = WeightGrid(int(options["bits"]), options.get("group"), bool(options["symmetric"]))
+    return dict(awq.scale_decoder(model, sequences, prefix, grid), text=text)
 
 
 def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -> dict:
     """Round ``model``'s projections by GPTQ from the calibration text (whole documents,
     after the kv_prefix) onto the grid ``options`` names."""
-    from npuforge import texts
     from npuforge.models.llama import rounding
     from npuforge.quantization import WeightGrid
 
-    documents = texts.read_documents(options.get("text") or None)
-    tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
-    sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
+    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
     grid = WeightGrid(
         int(options["bits"]),
         options.get("group"),
@@ -264,11 +280,7 @@ def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -
         length = model.cache_len - len(prefix)
         sampled = sampling.generate(model, sequences, int(options["generated"]), length, prefix)
     record = rounding.round_decoder(model, sequences + sampled, prefix, grid, names=names)
-    record["text"] = {
-        "documents": len(documents),
-        "sha256": texts.text_digest(documents),
-        "tokenizer": described,
-    }
+    record["text"] = text
     if sampled:
         record["generated"] = {
             "sequences": len(sampled),
@@ -378,6 +390,7 @@ def export_llama(
     group_offsets: dict | None = None,
     block_centres: dict | None = None,
     rotate: dict | None = None,
+    awq: dict | None = None,
     gptq: dict | None = None,
 ) -> dict:
     """Write chunk{i}.onnx + export.json (docs/interfaces.md) for one static graph variant.
@@ -405,6 +418,9 @@ def export_llama(
     rotate: {"seed": s}: the model rotated exactly (``npuforge.models.llama.rotation``):
     norms folded, the residual stream, V per head and down_proj's input (online, a
     constant matmul in the graph) rotated by seeded Hadamard or orthogonal matrices.
+    awq: {"bits", "group", "symmetric", "text"}: AWQ scales for that grid, searched on the
+    calibration text and folded into the norms and up_proj (``npuforge.models.llama.awq``),
+    after any rotation: the same function in fp32.
     gptq: {"bits", "group", "symmetric", "integer_zero", "search_range", "text",
     "generated"}: the decoder projections (with block_centres: the MLP's, the ones a block
     quantizer takes) rounded by GPTQ (``npuforge.models.llama.rounding``) onto that grid
@@ -443,15 +459,21 @@ def export_llama(
             "smoothquant and rotate both apply to this precision; a rotation already spreads "
             "the outliers SmoothQuant moves: keep the precision in one of them"
         )
+    if smoothquant and awq:
+        raise NpuforgeError(
+            "smoothquant and awq both apply to this precision; both fold input-channel "
+            "scales into the norms: keep the precision in one of them"
+        )
     # Smoothing needs fp32 activations, the offsets and rotations fp32 weights: the model
     # is cast after. They change the whole model at once, so it is loaded whole; a plain
     # export reads one chunk's weights at a time.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    levers = {"smoothquant": smoothquant, "rotate": rotate, "gptq": gptq, **split_options}
+    levers = {"smoothquant": smoothquant, "rotate": rotate, "awq": awq, "gptq": gptq}
+    levers.update(split_options)
     whole = any(levers[name] for name in WHOLE_MODEL_OPTIONS)
     build = {"cache_len": cache_len, "fp16_safe": fp16_fixes, "tanh_silu": tanh_silu}
     prefix_rows = PrefixRows(cfg, kv_prefix, batch, cache_len, mask_value) if kv_prefix else None
-    model = smoothed = rotated = rounded = None
+    model = smoothed = rotated = scaled = rounded = None
     split = {}
     if whole:
         progress.stage(f"export {variant}: loading the whole model (its levers change all of it)")
@@ -462,6 +484,8 @@ def export_llama(
             from npuforge.models.llama.rotation import rotate as rotate_model
 
             rotated = rotate_model(model, int(rotate["seed"]))
+        if awq:
+            scaled = _scale(model, checkpoint_dir, awq, kv_prefix)
         if prefix_rows:
             prefix_rows.feed(model, 0, cfg.num_layers)
         if gptq:
@@ -567,6 +591,9 @@ def export_llama(
         if rotated:
             meta["rotation"] = rotated
             meta["options"]["rotate"] = rotated["seed"]
+        if scaled:
+            meta["awq"] = scaled
+            meta["options"]["awq"] = scaled["grid"]
         if rounded:
             meta["gptq"] = rounded
             meta["options"]["gptq"] = rounded["grid"]
