@@ -320,7 +320,7 @@ def run_model(model_id, model_dir, args, rows):
         name, _, lever = row.partition(":")
         grid = grids()[name]
         rotate, gptq = lever.startswith("rotation"), "gptq" in lever
-        generated, scaled = lever.endswith("generated"), lever.startswith("awq")
+        generated, scaled = lever.endswith("generated"), "awq" in lever.split("+")
         searched = dataclasses.replace(grid, search_range=lever.endswith("range"))
         start = time.perf_counter()
         # The export: fp32 weights (the backend rounds them; AWQ's scaled for its grid),
@@ -382,6 +382,7 @@ LEVER_SETTINGS = {
     "rotation+gptq+generated": "rotation + GPTQ, Hessians also from 64 sampled sequences",
     "awq": "AWQ scales, round to nearest",
     "awq+gptq": "AWQ scales, then GPTQ",
+    "rotation+awq+gptq": "rotation, AWQ scales, then GPTQ",
 }
 
 
