@@ -125,6 +125,23 @@ ROTATION_CASES = [
 ]
 
 
+def _assert_prefill_then_decode_matches(checkpoint, tmp_path, vocab, kv_prefix, positions):
+    """The exports in tmp_path/p (an 8-token prefill) and tmp_path/d (decode), run through
+    onnxruntime over ``positions`` random tokens, give transformers' logits after the
+    kv_prefix, within 1e-4 of the largest."""
+    from npuforge.runtime import GraphChain
+
+    ids = np.random.default_rng(2).integers(0, vocab, (1, positions))
+    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
+    got = [chain.step(ids[:, :8])]
+    decode.state, decode.position = chain.state, chain.position
+    steps = [decode.step(ids[:, p : p + 1]) for p in range(8, positions)]
+    got = np.concatenate(got + steps, axis=1)
+    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
+    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha", ROTATION_CASES)
 def test_rotated_export_matches_transformers(
     checkpoints, tmp_path, kind, chunks, fp16_fixes, kv_prefix, tanh_silu, sha
@@ -135,7 +152,6 @@ def test_rotated_export_matches_transformers(
     import onnx
 
     from npuforge.models.llama import onnx_export as llama_export
-    from npuforge.runtime import GraphChain
 
     checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
     common = dict(
@@ -148,14 +164,7 @@ def test_rotated_export_matches_transformers(
     llama_export.export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, **common)
     record = prefill["rotation"]
     assert prefill["options"]["rotate"] == 4 and record["hidden"]["kind"] == "hadamard"
-    ids = np.random.default_rng(2).integers(0, vocab, (1, 40))
-    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
-    got = [chain.step(ids[:, :8])]
-    decode.state, decode.position = chain.state, chain.position
-    got = np.concatenate(got + [decode.step(ids[:, p : p + 1]) for p in range(8, 40)], axis=1)
-    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
-    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    _assert_prefill_then_decode_matches(checkpoint, tmp_path, vocab, kv_prefix, 40)
     # The online rotation runs in every layer's graph, as constant matmuls.
     layers = TINY_CONFIGS[kind]["num_hidden_layers"]
     rotations = [
@@ -893,7 +902,6 @@ def test_awq_export_matches_transformers_and_records_its_scales(
     """An export with AWQ scales (after a rotation, with a kv_prefix and the MHA->SHA pass
     as given) is the same function in fp32, decode after prefill through onnxruntime."""
     from npuforge.models.llama import onnx_export as llama_export
-    from npuforge.runtime import GraphChain
 
     checkpoint, vocab = checkpoints[kind], TINY_CONFIGS[kind]["vocab_size"]
     text = tmp_path / "text.txt"  # short: keeps the test quick
@@ -911,14 +919,7 @@ def test_awq_export_matches_transformers_and_records_its_scales(
     assert prefill["options"]["awq"] == "4-bit asymmetric, groups of 16" == record["grid"]
     assert record["text"]["documents"] == 1
     assert record["groups"].endswith("(down_proj reads a rotation)") == bool(rotate)
-    ids = np.random.default_rng(2).integers(0, vocab, (1, 24))
-    chain, decode = GraphChain(tmp_path / "p"), GraphChain(tmp_path / "d")
-    got = [chain.step(ids[:, :8])]
-    decode.state, decode.position = chain.state, chain.position
-    got = np.concatenate(got + [decode.step(ids[:, p : p + 1]) for p in range(8, 24)], axis=1)
-    lead = np.array([list(kv_prefix)], dtype=np.int64).reshape(1, -1)
-    want = reference_logits(checkpoint, np.concatenate([lead, ids], axis=1))[:, len(kv_prefix) :]
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    _assert_prefill_then_decode_matches(checkpoint, tmp_path, vocab, kv_prefix, 24)
 
 
 def test_awq_is_a_per_precision_export_option_on_the_backends_grid():
