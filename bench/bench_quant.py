@@ -325,11 +325,11 @@ def run_model(model_id, model_dir, args, rows):
         start = time.perf_counter()
         # The export: fp32 weights (the backend rounds them; AWQ's scaled for its grid),
         # or the export's own rounding (GPTQ's, or to nearest on searched ranges).
-        export = scaled_for(grid, rotate) if scaled else bases[rotate]
+        export = unrounded = scaled_for(grid, rotate) if scaled else bases[rotate]
         if gptq or searched.search_range:
             export = exports.get((searched, rotate, gptq, generated, scaled))
             if export is None:
-                export = copy.deepcopy(scaled_for(grid, rotate) if scaled else bases[rotate])
+                export = copy.deepcopy(unrounded)
                 method = "gptq" if gptq else "nearest"
                 texts = sequences + (sampled_by(bases[rotate]) if generated else [])
                 rounding.round_decoder(export, texts, PREFIX, searched, method)

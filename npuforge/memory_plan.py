@@ -221,10 +221,8 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     counts = parameter_counts(model)
     external = bool(export.get("ext_embedding", False))
     reference = base.REFERENCE_BYTES_PER_PARAM
-    runs_reference = getattr(backend, "chunk_job_runs_reference", None)
-    chunk_reference = reference
-    if runs_reference is not None and not runs_reference(target.get("options") or {}):
-        chunk_reference = 0.0
+    runs_reference = getattr(backend, "chunk_job_runs_reference", lambda options: True)
+    chunk_reference = reference if runs_reference(target.get("options") or {}) else 0.0
 
     policy = export.get("chunk_policy")
     # The most parameters one chunk may hold: its compile within the budget, its weights
@@ -236,9 +234,6 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     def needs(chunks: int, sizes=None, reference=reference) -> tuple:
         params = chunk_params(counts, layers, chunks, external, sizes)
         return tuple(int((per_param + reference) * size) for size in params)
-
-    def chunk_needs(chunks: int, sizes=None) -> tuple:
-        return needs(chunks, sizes, chunk_reference)
 
     def need(chunks: int, sizes=None) -> int:
         return max(needs(chunks, sizes))
@@ -254,7 +249,9 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     fewest = min(layers, policy_chunks(model, export))
     if "chunks" in export:
         chunks = max(1, min(int(export["chunks"]), layers))
-        plan = MemoryPlan(chunks, None, need(chunks), int(budget), None, chunk_needs(chunks))
+        plan = MemoryPlan(
+            chunks, None, need(chunks), int(budget), None, needs(chunks, None, chunk_reference)
+        )
         fitting = next((n for n in range(fewest, layers + 1) if sizes_for(n)), None)
         if plan.need_bytes > budget:
             instead = f"leave export.chunks out (the plan takes {fitting}), " if fitting else ""
@@ -272,7 +269,12 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
         even = [end - start for start, end in split_layers(layers, chunks)]
         sizes = None if sizes == even else tuple(sizes)
         return MemoryPlan(
-            chunks, sizes, need(chunks, sizes), int(budget), None, chunk_needs(chunks, sizes)
+            chunks,
+            sizes,
+            need(chunks, sizes),
+            int(budget),
+            None,
+            needs(chunks, sizes, chunk_reference),
         )
     heaviest = max(chunk_params(counts, layers, layers, external))
     if need(layers) <= budget:  # the device's limit on a chunk's weights, not the host's

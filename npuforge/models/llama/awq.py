@@ -18,11 +18,9 @@ than round to nearest). Layer by layer from the fp32 model, as ``rounding`` runs
 in float64; the inputs after the export's kv_prefix only.
 """
 
-import time
-
 import torch
 
-from npuforge.models.llama.rounding import _layer_inputs, _run_block
+from npuforge.models.llama.rounding import _layer_inputs, _run_block, layers_in_float64
 from npuforge.quantization import WeightGrid, round_to_nearest, rounding_loss
 
 ALPHAS = tuple(i / 20 for i in range(20))
@@ -58,16 +56,16 @@ def best_scale(weights: list, hessian, mean_abs, grid: WeightGrid) -> tuple:
     keep the least output error on inputs of Gram matrix ``hessian``."""
     weights = [w.detach().double() for w in weights]
     magnitude = mean_abs.double().clamp(min=MEAN_FLOOR)
-    best = None
+    tried = []
     for alpha in ALPHAS:
         scale = magnitude**alpha
         scale = scale / (scale.max() * scale.min()).sqrt()
         loss = sum(
             rounding_loss(w, round_to_nearest(w * scale, grid) / scale, hessian) for w in weights
         )
-        if best is None or loss < best[2]:
-            best = (scale, alpha, loss, best[3] if best else loss)
-    return best
+        tried.append((scale, alpha, loss))
+    scale, alpha, loss = min(tried, key=lambda t: t[2])  # the first of equal losses
+    return scale, alpha, loss, tried[0][2]
 
 
 def scale_decoder(model, sequences, prefix, grid: WeightGrid) -> dict:
@@ -75,9 +73,8 @@ def scale_decoder(model, sequences, prefix, grid: WeightGrid) -> dict:
     in fp32, its weights scaled for rounding. Returns the record of it."""
     cfg, skip = model.cfg, len(prefix)
     states = _layer_inputs(model, sequences, prefix)
-    chosen, before, after, started = [], 0.0, 0.0, time.monotonic()
-    for index, block in enumerate(model.layers):
-        block.double()
+    chosen, before, after = [], 0.0, 0.0
+    for block in layers_in_float64(model, states, "AWQ", "scaled"):
         attn, mlp = block.self_attn, block.mlp
         reads = {"q_proj": attn.q_proj, "gate_proj": mlp.gate_proj, "down_proj": mlp.down_proj}
         stats = _statistics(block, cfg, states, skip, reads)
@@ -102,14 +99,6 @@ def scale_decoder(model, sequences, prefix, grid: WeightGrid) -> dict:
                     linear.weight *= scale
                 chosen.append(alpha)
                 before, after = before + plain, after + loss
-        for state in states:
-            state[0] = _run_block(block, cfg, *state)
-        block.float()
-        print(
-            f"AWQ: layer {index + 1} of {len(model.layers)} scaled "
-            f"({time.monotonic() - started:.0f} s)",
-            flush=True,
-        )
     return {
         "method": "awq",
         "grid": grid.describe(),

@@ -42,6 +42,7 @@ from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
 from npuforge.memory import release_memory
+from npuforge.models.llama import export_levers
 from npuforge.models.llama.config import (
     MASK_VALUE,
     WHOLE_MODEL_OPTIONS,
@@ -50,7 +51,7 @@ from npuforge.models.llama.config import (
     load_config,
 )
 from npuforge.models.llama.model import build_model, load_chunk
-from npuforge.models.llama.weights import checkpoint_tokenizer, load_state_dict
+from npuforge.models.llama.weights import load_state_dict
 from npuforge.onnx_io import OPSET, embedding_entry, save_onnx, split_layers
 
 DEFAULT_PREFILL_TOKENS = 16
@@ -211,85 +212,6 @@ def write_kv_prefix(directory, rows, cfg, prefix) -> dict:
         "slots": len(prefix),
         "tensors": names,
     }
-
-
-def _calibration_sequences(model, checkpoint_dir, text) -> tuple:
-    """The calibration text's documents (the project's where ``text`` is empty) as token
-    ids, and the record of which text and tokenizer they are."""
-    from npuforge import texts
-
-    documents = texts.read_documents(text or None)
-    tokenizer, described = checkpoint_tokenizer(checkpoint_dir)
-    sequences = texts.tokenize_documents(documents, model.cfg.vocab_size, tokenizer)
-    record = {
-        "documents": len(documents),
-        "sha256": texts.text_digest(documents),
-        "tokenizer": described,
-    }
-    return sequences, record
-
-
-def _smooth(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
-    """Fold SmoothQuant scales measured on the calibration text into ``model``."""
-    from npuforge.models.llama import smoothing
-
-    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
-
-    def run(ids):
-        run_from_empty_cache(model, [ids], cache_len)
-
-    room = cache_len - len(prefix)
-    ranges = smoothing.activation_ranges(model, sequences, prefix, room, run)
-    summary = smoothing.smooth(model, ranges, float(options["alpha"]))
-    summary["text"] = dict(text, tokens_per_document=smoothing.TOKENS_PER_DOCUMENT)
-    return summary
-
-
-def _scale(model, checkpoint_dir, options: dict, prefix: list) -> dict:
-    """Fold AWQ scales for the grid ``options`` names, searched on the calibration text
-    (whole documents, after the kv_prefix), into ``model``."""
-    from npuforge.models.llama import awq
-    from npuforge.quantization import WeightGrid
-
-    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
-    grid = WeightGrid(int(options["bits"]), options.get("group"), bool(options["symmetric"]))
-    return dict(awq.scale_decoder(model, sequences, prefix, grid), text=text)
-
-
-def _round(model, checkpoint_dir, options: dict, prefix: list, mlp_only: bool) -> dict:
-    """Round ``model``'s projections by GPTQ from the calibration text (whole documents,
-    after the kv_prefix) onto the grid ``options`` names."""
-    from npuforge.models.llama import rounding
-    from npuforge.quantization import WeightGrid
-
-    sequences, text = _calibration_sequences(model, checkpoint_dir, options.get("text"))
-    grid = WeightGrid(
-        int(options["bits"]),
-        options.get("group"),
-        bool(options["symmetric"]),
-        bool(options.get("integer_zero", False)),
-        bool(options.get("search_range", False)),
-    )
-    names = options.get("projections") or (
-        ("gate_proj", "up_proj", "down_proj") if mlp_only else None
-    )
-    sampled = []
-    if options.get("generated"):
-        from npuforge.models.llama import sampling
-
-        length = model.cache_len - len(prefix)
-        sampled = sampling.generate(model, sequences, int(options["generated"]), length, prefix)
-    record = rounding.round_decoder(model, sequences + sampled, prefix, grid, names=names)
-    record["text"] = text
-    if sampled:
-        record["generated"] = {
-            "sequences": len(sampled),
-            "tokens_each": length,
-            "opening": f"the first {sampling.PROMPT_TOKENS} tokens of a calibration document",
-            "sampling": "temperature 1, float64, numpy PCG64 seed 0",
-            "sha256": sampling.digest(sampled),
-        }
-    return record
 
 
 def cache_name(layer: int, kind: str) -> str:
@@ -468,8 +390,9 @@ def export_llama(
     # is cast after. They change the whole model at once, so it is loaded whole; a plain
     # export reads one chunk's weights at a time.
     split_options = {"group_offsets": group_offsets, "block_centres": block_centres}
-    levers = {"smoothquant": smoothquant, "rotate": rotate, "awq": awq, "gptq": gptq}
-    levers.update(split_options)
+    levers = {
+        "smoothquant": smoothquant, "rotate": rotate, "awq": awq, "gptq": gptq, **split_options
+    }  # fmt: skip
     whole = any(levers[name] for name in WHOLE_MODEL_OPTIONS)
     build = {"cache_len": cache_len, "fp16_safe": fp16_fixes, "tanh_silu": tanh_silu}
     prefix_rows = PrefixRows(cfg, kv_prefix, batch, cache_len, mask_value) if kv_prefix else None
@@ -479,18 +402,20 @@ def export_llama(
         progress.stage(f"export {variant}: loading the whole model (its levers change all of it)")
         model = build_model(cfg, load_state_dict(checkpoint_dir, torch.float32), **build)
         if smoothquant:
-            smoothed = _smooth(model, checkpoint_dir, smoothquant, kv_prefix, cache_len)
+            smoothed = export_levers.smoothquant(
+                model, checkpoint_dir, smoothquant, kv_prefix, cache_len
+            )
         if rotate:
             from npuforge.models.llama.rotation import rotate as rotate_model
 
             rotated = rotate_model(model, int(rotate["seed"]))
         if awq:
-            scaled = _scale(model, checkpoint_dir, awq, kv_prefix)
+            scaled = export_levers.awq(model, checkpoint_dir, awq, kv_prefix)
         if prefix_rows:
             prefix_rows.feed(model, 0, cfg.num_layers)
         if gptq:
             mlp_only = bool(block_centres)
-            rounded = _round(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
+            rounded = export_levers.gptq(model, checkpoint_dir, gptq, kv_prefix, mlp_only)
         from npuforge.models.llama.group_offsets import split_group_offsets
 
         split = {

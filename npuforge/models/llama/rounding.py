@@ -61,6 +61,24 @@ def _run_block(block, cfg, x, host):
         return block(x, *host, zeros, zeros)[0]
 
 
+def layers_in_float64(model, states, lever: str, done: str):
+    """Each decoder layer of ``model`` in float64 (the module docstring says why), for the
+    caller to change; then ``states`` (``_layer_inputs``) through the changed layer, the
+    layer back to float32, and a log line: a layer takes seconds, a decoder minutes."""
+    started = time.monotonic()
+    for index, block in enumerate(model.layers):
+        block.double()
+        yield block
+        for state in states:
+            state[0] = _run_block(block, model.cfg, *state)
+        block.float()
+        print(
+            f"{lever}: layer {index + 1} of {len(model.layers)} {done} "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+
+
 class _Captured(Exception):
     """Stops a block's run once the input wanted has been seen."""
 
@@ -117,9 +135,8 @@ def round_decoder(
         return {"method": "round to nearest", "grid": grid.describe()}
     cfg, skip = model.cfg, len(prefix)
     states = _layer_inputs(model, sequences, prefix)
-    positions, started = 0, time.monotonic()
-    for index, block in enumerate(model.layers):
-        block.double()  # the module docstring says why
+    positions = 0
+    for block in layers_in_float64(model, states, "GPTQ", "rounded"):
         for owner, group in SUBLAYERS:
             linears = [getattr(getattr(block, owner), n) for n in group if n in chosen]
             if not linears:
@@ -129,15 +146,6 @@ def round_decoder(
                 for linear in linears:
                     rounded = gptq(linear.weight, hessian, grid, damp, pin, act_order)
                     linear.weight.copy_(rounded)
-        for state in states:
-            state[0] = _run_block(block, cfg, *state)
-        block.float()
-        # A layer takes seconds; a whole decoder minutes, so the log says where it is.
-        print(
-            f"GPTQ: layer {index + 1} of {len(model.layers)} rounded "
-            f"({time.monotonic() - started:.0f} s)",
-            flush=True,
-        )
     return {
         "method": "gptq",
         "grid": grid.describe(),
