@@ -21,16 +21,12 @@ def calibration_sequences(model, checkpoint_dir, text) -> tuple:
     return sequences, record
 
 
-def smoothquant(model, checkpoint_dir, options: dict, prefix: list, cache_len: int) -> dict:
-    """Fold SmoothQuant scales measured on the calibration text into ``model``."""
+def smoothquant(model, checkpoint_dir, options: dict, prefix: list, cache_len: int, run) -> dict:
+    """Fold SmoothQuant scales measured on the calibration text into ``model``, whose
+    activations ``run(ids)`` shows its hooks (a call from an empty cache)."""
     from npuforge.models.llama import smoothing
-    from npuforge.models.llama.onnx_export import run_from_empty_cache
 
     sequences, text = calibration_sequences(model, checkpoint_dir, options.get("text"))
-
-    def run(ids):
-        run_from_empty_cache(model, [ids], cache_len)
-
     room = cache_len - len(prefix)
     ranges = smoothing.activation_ranges(model, sequences, prefix, room, run)
     summary = smoothing.smooth(model, ranges, float(options["alpha"]))

@@ -403,8 +403,9 @@ def export_llama(
         model = build_model(cfg, load_state_dict(checkpoint_dir, torch.float32), **build)
         if smoothquant:
             smoothed = export_levers.smoothquant(
-                model, checkpoint_dir, smoothquant, kv_prefix, cache_len
-            )
+                model, checkpoint_dir, smoothquant, kv_prefix, cache_len,
+                run=lambda ids: run_from_empty_cache(model, [ids], cache_len),
+            )  # fmt: skip
         if rotate:
             from npuforge.models.llama.rotation import rotate as rotate_model
 
