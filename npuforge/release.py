@@ -27,6 +27,7 @@ import npuforge
 from npuforge import progress
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, dumps_json, read_json, sha256_file
+from npuforge.jobs.finished_chunks import link_or_copy
 
 MANIFEST = "manifest.json"
 SUMS = "SHA256SUMS"
@@ -89,9 +90,15 @@ def package_versions() -> dict:
     return versions
 
 
-def _copy(src: Path, dst: Path) -> None:
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """A build output is hard-linked where the filesystem allows (a 1.5B bundle then costs
+    no second copy of its weights); the runner (npuforge's own source) and the tokenizer
+    are copied, so editing a bundle's copy never edits them."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    if link:
+        link_or_copy(src, dst)
+    else:
+        shutil.copyfile(src, dst)
     os.chmod(dst, 0o644)
 
 
@@ -206,9 +213,10 @@ def build_bundle(
             prefix = _kv_prefix_file(Path(export_dir), summary["meta"])
             if prefix is not None:
                 sources.setdefault(prefix.name, prefix)
+        copied = {RUNNER} | ({tokenizer.name} if tokenizer is not None else set())
         for number, (name, src) in enumerate(sorted(sources.items())):
-            progress.stage(f"bundle: copying {name}", number, len(sources))
-            _copy(src, tmp / name)
+            progress.stage(f"bundle: placing {name}", number, len(sources))
+            _place(src, tmp / name, link=name not in copied)
         progress.stage("bundle: hashing the files")
         files = {name: sha256_file(tmp / name) for name in sorted(sources)}
         progress.clear()

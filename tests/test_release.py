@@ -123,6 +123,36 @@ def test_bundle_contents_and_checksums(tmp_path):
     assert str(tmp_path) not in (out / "manifest.json").read_text()
 
 
+def test_build_outputs_are_linked_and_the_runner_and_tokenizer_copied(tmp_path):
+    out, _, _ = bundle(tmp_path)
+    inode = lambda path: os.stat(path).st_ino  # noqa: E731
+    for name in ("chunk0.onnx", "chunk1.onnx"):
+        assert inode(out / name) == inode(tmp_path / "compiled" / name)
+    assert inode(out / "embedding.bin") == inode(
+        tmp_path / "export/decode-fp32-c1-abc/embedding.bin"
+    )
+    # Editing a bundle's runner or tokenizer must not edit npuforge's source or the build's.
+    assert inode(out / "run.py") != inode(release.RUNNER_SOURCE)
+    assert inode(out / "tokenizer.bin") != inode(tmp_path / "tokenizer.bin")
+    assert {oct(os.stat(p).st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+
+
+def test_a_filesystem_without_hard_links_gets_copies_of_the_same_bytes(tmp_path, monkeypatch):
+    linked, _, linked_manifest = bundle(tmp_path / "linked")
+
+    def refuse(source, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", refuse)
+    copied, _, copied_manifest = bundle(tmp_path / "copied")
+    assert (
+        os.stat(copied / "chunk0.onnx").st_ino
+        != os.stat(tmp_path / "copied/compiled/chunk0.onnx").st_ino
+    )
+    assert copied_manifest["files"] == linked_manifest["files"]
+    assert (copied / "SHA256SUMS").read_bytes() == (linked / "SHA256SUMS").read_bytes()
+
+
 def test_without_external_embedding_no_embedding_file(tmp_path):
     out, _, _ = bundle(tmp_path, ext_embedding=False)
     assert not (out / "embedding.bin").exists()

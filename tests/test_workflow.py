@@ -293,6 +293,10 @@ def test_default_build_verifies_reruns_nothing_and_rebuilds_identically(workflow
         ["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, capture_output=True, text=True
     )
     assert sums.returncode == 0, sums.stdout + sums.stderr
+    # The bundle's graphs are the export's own files through the compile (hard links):
+    # an fp32 model's weights are on disk once, not three times.
+    exported = next((workflow / "results" / "export" / "rwkv7-demo").glob("*/chunk0.onnx"))
+    assert (bundle / "chunk0.onnx").stat().st_ino == exported.stat().st_ino
     first = release_files(workflow)
 
     again = snakemake(workflow, check=True)

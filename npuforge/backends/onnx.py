@@ -9,7 +9,6 @@ vendor backend is compared with these graphs, so this target is the baseline of
 the matrix.
 """
 
-import shutil
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +17,7 @@ from npuforge import backends
 from npuforge.backends import base, gate
 from npuforge.errors import NpuforgeError
 from npuforge.fileio import atomic_path, sha256_file, write_json
+from npuforge.jobs.finished_chunks import link_or_copy
 
 NAME = "onnx"
 PRECISIONS = ("fp32",)
@@ -90,7 +90,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         tmp.mkdir()
         artifacts = []
         for name, role, chunk in _export_files(export.dir, export.meta):
-            shutil.copyfile(export.dir / name, tmp / name)
+            link_or_copy(export.dir / name, tmp / name)
             entry = {"file": name, "sha256": sha256_file(tmp / name), "role": role}
             if chunk is not None:
                 entry["chunk"] = chunk
@@ -99,7 +99,7 @@ def compile(request: base.CompileRequest) -> dict:  # noqa: A001 - the backend i
         # bundle ships them from the export anyway.
         beside = [export.meta[k]["file"] for k in ("embedding", "kv_prefix") if export.meta.get(k)]
         for name in beside:
-            shutil.copyfile(export.dir / name, tmp / name)
+            link_or_copy(export.dir / name, tmp / name)
         shipped = base.Export(tmp, export.meta)
         logits = base.reference_logits({"decode": shipped}, schedule, text["ids"])
         for name in beside:
