@@ -207,6 +207,98 @@ def support_matrix(rows, targets: dict, model: str, twin: str | None = None) -> 
     return table
 
 
+# The fidelity goals of a trained model's integer precisions (issue 41), beside the gates
+# a build must pass: (weights, top-1 agreement at least, perplexity change at most).
+PRECISION_GOALS = {
+    "a16w8": ("8-bit", 0.97, 0.02),
+    "w8a8": ("8-bit", 0.97, 0.02),
+    "int8": ("8-bit", 0.97, 0.02),
+    "w8f16": ("8-bit", 0.97, 0.02),
+    "a16w4": ("4-bit", 0.92, 0.06),
+    "w4f16": ("4-bit", 0.92, 0.06),
+}
+
+
+# Positions a build must judge for its figures to meet a goal.
+GOAL_POSITIONS = 64
+
+
+def meets_goal(figures: dict, precision: str) -> bool:
+    _, top1, perplexity = PRECISION_GOALS[precision]
+    delta = figures.get("perplexity_delta")
+    return bool(
+        figures.get("passed")
+        and (figures.get("positions") or 0) >= GOAL_POSITIONS
+        and (figures.get("top1") or 0) >= top1
+        and delta is not None
+        and delta <= perplexity
+    )
+
+
+def _best_build(measured: list, precision: str):
+    """The row nearest the goal: meeting it, else over the goal's positions, passing the
+    gate, the highest top-1 (then the smallest perplexity change); the latest of equals."""
+    return max(
+        reversed(measured),
+        key=lambda r: (
+            meets_goal(r["figures"], precision),
+            (r["figures"].get("positions") or 0) >= GOAL_POSITIONS,
+            bool(r["figures"].get("passed")),
+            r["figures"].get("top1") or 0,
+            -abs(r["figures"].get("perplexity_delta") or 0),
+        ),
+    )
+
+
+def goals_table(rows, targets: dict, models: list[str]) -> str:
+    """Every integer precision with a goal, on every registry SoC and each of ``models``:
+    the best simulator build measured, whether it meets the goal, and how many builds
+    tried (the row id names the build in docs/data/builds.yaml)."""
+    body = []
+    for target, entry in targets.items():
+        for precision in entry.get("precisions") or {}:
+            if precision not in PRECISION_GOALS:
+                continue
+            kind, top1, perplexity = PRECISION_GOALS[precision]
+            for model in models:
+                measured = _vendor_rows(rows, model, target, precision)
+                if not measured and not any(
+                    _vendor_rows(rows, m, target, precision) for m in models
+                ):
+                    continue
+                goal = f"{kind}: >= {top1}, <= {percent(perplexity)} over {GOAL_POSITIONS}"
+                if not measured:
+                    body.append([f"{target} {precision}", model, goal, "not measured"] + ["–"] * 6)
+                    continue
+                best = _best_build(measured, precision)
+                figures = best["figures"]
+                if figures.get("top1") is None:
+                    verdict = "misses it: no binary"
+                elif not meets_goal(figures, precision):
+                    verdict = "misses it"
+                elif best.get("exact_on_source"):
+                    verdict = f"**meets it**, exact by construction (`{best['exact_on_source']}`)"
+                else:
+                    verdict = "**meets it**"
+                body.append(
+                    [
+                        f"{target} {precision}",
+                        model,
+                        goal,
+                        verdict,
+                        _number(figures.get("top1")),
+                        percent(figures.get("perplexity_delta")),
+                        gate_cell(figures),
+                        f"`{best['id']}` ({best['status']}, {best['date']})",
+                        str(len(measured)),
+                        _number(figures.get("positions")),
+                    ]
+                )
+    header = ["SoC and precision", "model", "goal", "best build", "top-1", "perplexity",
+              "gate", "that build", "builds", "positions"]  # fmt: skip
+    return markdown_table(header, body)
+
+
 def series_table(rows, name: str, commands: bool = False) -> str:
     """A lever table: the rows of one series in data order, their columns as needed;
     with ``commands`` a last column gives the command that reproduces each row."""
@@ -284,7 +376,9 @@ def render(kind: str, params: dict, data: dict) -> str:
         return series_table(data["builds"], params["name"], commands=commands)
     if kind == "bench":
         return bench_table(data["benches"], params["family"])
-    raise NpuforgeError(f"unknown table kind '{kind}' (support-matrix, series, bench)")
+    if kind == "goals":
+        return goals_table(data["builds"], data["targets"], params["models"].split(","))
+    raise NpuforgeError(f"unknown table kind '{kind}' (support-matrix, series, bench, goals)")
 
 
 def generated_text(text: str, data: dict) -> str:

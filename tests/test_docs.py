@@ -328,3 +328,38 @@ def test_an_integer_pass_counts_only_if_the_permuted_twin_passes_too():
     assert status["fp16"] == "passes"
     plain = docs_tables.support_matrix(rows, targets, "m").splitlines()
     assert all(" | passes | " in line for line in plain[2:])
+
+
+def test_the_goals_table_gives_each_model_its_build_nearest_the_goal():
+    """Issue 41's goals: a build meets one only with its gate passed over 64 positions;
+    the best build is the one nearest the goal, and a model never built says so."""
+    fig = lambda top1, delta, passed=True, positions=64: {  # noqa: E731
+        "positions": positions,
+        "top1": top1,
+        "perplexity_delta": delta,
+        "passed": passed,
+    }
+    rows = [
+        row("short", precision="a16w8", figures=fig(1.0, 0.0, positions=32)),
+        row("near", precision="a16w8", figures=fig(0.96, 0.01)),
+        row("failed", precision="a16w8", figures=fig(0.99, 0.05, passed=False)),
+        row("t-best", model="twin", precision="a16w8", figures=fig(0.98, 0.015)),
+        row("t-old", model="twin", precision="a16w8", status="superseded", figures=fig(0.97, 0.0)),
+        row("exact", precision="w4f16", figures=fig(1.0, 0.0), exact_on_source="group_offsets"),
+        row("crash", model="twin", precision="w4f16", figures={"passed": False}),
+        row("fp16", precision="fp16"),
+    ]
+    targets = {"T": {"precisions": dict.fromkeys(["fp16", "a16w8", "w4f16", "w8a8"])}}
+    lines = docs_tables.goals_table(rows, targets, ["m", "twin"]).splitlines()[2:]
+    cells = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in lines}
+    assert list(cells) == [("| T a16w8", "m"), ("| T a16w8", "twin"), ("| T w4f16", "m"),
+                           ("| T w4f16", "twin")]  # fmt: skip
+    assert cells["| T a16w8", "m"][3:5] == ["misses it", "0.96"]  # not the 32-position pass
+    assert cells["| T a16w8", "m"][7].startswith("`near`")
+    assert cells["| T a16w8", "twin"][3:5] == ["**meets it**", "0.98"]
+    assert cells["| T a16w8", "twin"][8] == "2"
+    assert cells["| T w4f16", "m"][3] == "**meets it**, exact by construction (`group_offsets`)"
+    assert cells["| T w4f16", "twin"][3] == "misses it: no binary"
+    del rows[-2]
+    lines = docs_tables.goals_table(rows, targets, ["m", "twin"]).splitlines()[2:]
+    assert [line.split(" | ")[3] for line in lines][-1] == "not measured"
