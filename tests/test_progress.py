@@ -36,3 +36,17 @@ def test_the_heartbeat_writes_the_stage_while_the_step_runs():
     written = len(lines)
     time.sleep(0.15)
     assert len(out.getvalue().splitlines()) == written  # stopped with the step
+
+
+def test_a_qnn_job_count_says_the_time_left_at_its_pace():
+    """The toolchain jobs log for themselves (standard library only): the HTP simulator's
+    calls at 1.5B take about a minute each, so the count says how long is left."""
+    from npuforge.jobs.qnn_log import Progress
+
+    count = Progress("HTP simulator calls run", 64)
+    count.done = 4
+    line = count.line(now=count.started + 200)
+    assert line == "HTP simulator calls run: 4 of 64 after 200 s, about 3000 s left"
+    bound = Progress("tensors given Q/DQ", 900, bound=True)
+    bound.done = 300
+    assert bound.line(now=bound.started + 30) == "tensors given Q/DQ: 300 of up to 900 after 30 s"
