@@ -50,3 +50,11 @@ def test_a_qnn_job_count_says_the_time_left_at_its_pace():
     bound = Progress("tensors given Q/DQ", 900, bound=True)
     bound.done = 300
     assert bound.line(now=bound.started + 30) == "tensors given Q/DQ: 300 of up to 900 after 30 s"
+
+
+def test_the_rknn_simulator_steps_say_the_time_left_by_the_real_clock():
+    from npuforge.jobs.rknn_job import time_left
+
+    assert time_left(24.0, 8, 64) == ", about 168 s left"
+    assert time_left(0.0, 0, 64) == ""  # no pace before the first step
+    assert time_left(float("nan"), 8, 64) == ""  # no /proc/uptime: no estimate

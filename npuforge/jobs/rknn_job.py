@@ -48,6 +48,14 @@ def real_seconds() -> float:
         return float("nan")
 
 
+def time_left(taken: float, done: int, total: int) -> str:
+    """The time left at the pace of the ``done`` steps so far (", about N s left"); nothing
+    before the first step or without a real clock."""
+    if done <= 0 or taken != taken:  # taken is NaN without /proc/uptime
+        return ""
+    return f", about {taken / done * (total - done):.0f} s left"
+
+
 def say(message):
     """One progress line on the job's stdout."""
     line = f"[rknn_job] {message}\n".encode()
@@ -393,7 +401,8 @@ def main(spec_path):
                     value = state[i["name"]] if i["role"] == "state" else feeds[i["name"]][step]
                     inputs.append(np.ascontiguousarray(value, dtype=np.float32))
                 if step % SIMULATOR_REPORT_EVERY == 0:
-                    say(f"simulator step {step + 1} of {verify['steps']}")
+                    left = time_left(real_seconds() - started, step, int(verify["steps"]))
+                    say(f"simulator step {step + 1} of {verify['steps']}{left}")
                 outputs = rknn.inference(inputs=inputs, data_format=formats)
                 if outputs is None:
                     raise RuntimeError(f"simulator inference failed at step {step}")
