@@ -10,7 +10,8 @@ prints, per model, every step the build ran:
   step MB      peak RSS of the step's own process
   child MB     peak total RSS of the processes the step ran (its toolchain jobs),
                sampled every 0.5 s
-  written      bytes of the step's outputs
+  written      bytes of the step's outputs on disk: a file hard-linked from an earlier
+               step's output (an onnx compile's graphs, a bundle's binaries) counts there
 
 then each compile's check on its simulator (positions, calls per graph variant, worst and
 mean logits cosine, top-1 agreement and perplexity change against fp32, and whether it
@@ -66,9 +67,9 @@ STEP_OUTPUTS = {
     "permute": ["models/{rest}/permuted.hf", "models/{rest}/permuted.hf.json"],
     "export": ["export/{rest}"],
     "calibrate": ["calibration/{rest}"],
-    "compile": ["compile/{rest}"],
     # Removed once the compile lands (Snakemake temp): measured only while it waits.
     "compile-chunk": ["compile-chunks/{rest}"],
+    "compile": ["compile/{rest}"],
     "verify": ["verify/{rest}.json"],
     "package": ["release/{rest}", "release/{rest}.tar.gz"],
     "heldout": ["heldout/{rest}.json"],
@@ -110,24 +111,26 @@ def write_overlay(args, models: list[str]) -> Path | None:
     return overlay
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes under ``path`` (a file or a directory), following the machine cache's links."""
-    if path.is_file():
-        return path.stat().st_size
+def tree_bytes(path: Path, seen: set) -> int:
+    """Bytes under ``path`` (a file or a directory), following the machine cache's links;
+    each file once: those whose (device, inode) is in ``seen`` are skipped, the rest added."""
     total = 0
-    for item in path.rglob("*"):
+    for item in [path] if path.is_file() else path.rglob("*"):
         if item.is_file():
-            total += item.stat().st_size
+            stat = item.stat()
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
     return total
 
 
-def written_bytes(results: Path, step: str, rest: str, model: str) -> int:
+def written_bytes(results: Path, step: str, rest: str, model: str, seen: set) -> int:
     fmt = rest[len(model) + 1 :] if step == "fetch" else ""
     total = 0
     for pattern in STEP_OUTPUTS.get(step, []):
         path = results / pattern.format(rest=rest, model=model, fmt=fmt)
         if path.exists():
-            total += tree_bytes(path)
+            total += tree_bytes(path, seen)
     return total
 
 
@@ -149,9 +152,14 @@ def step_rows(results: Path, model: str) -> list[dict]:
         figures = figures or read_step_resources(text, failed=True)
         if figures is None:
             continue
-        figures["written"] = written_bytes(results, step, rest, model)
         job = rest[len(model) :].lstrip("/.") or "-"
-        rows.append({"step": step, "job": f"{job} (failed)" if failed else job, **figures})
+        rows.append(
+            {"step": step, "job": f"{job} (failed)" if failed else job, "rest": rest, **figures}
+        )
+    # Bytes in the pipeline's order, so a file linked downstream counts at its maker.
+    order, seen = list(STEP_OUTPUTS), set()
+    for row in sorted(rows, key=lambda r: order.index(r["step"]) if r["step"] in order else 0):
+        row["written"] = written_bytes(results, row["step"], row.pop("rest"), model, seen)
     return rows
 
 

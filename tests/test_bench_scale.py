@@ -72,6 +72,28 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     assert rows["export"][-2:] == ["1.00", "1.00"]
 
 
+def test_a_file_linked_downstream_counts_once_at_the_step_that_made_it(tmp_path):
+    """The onnx target's compile and every bundle hard-link the build's outputs: the
+    written bytes say what each step put on disk, not what its directory lists."""
+    import os
+
+    finished_step(tmp_path, "export/m/decode-a.log", 1.0, 1, 0)
+    finished_step(tmp_path, "compile/m/onnx/fp32.log", 1.0, 1, 0)
+    finished_step(tmp_path, "package/m/onnx/fp32.log", 1.0, 1, 0)
+    export, compiled = tmp_path / "export/m/decode-a", tmp_path / "compile/m/onnx/fp32"
+    bundle = tmp_path / "release/m/onnx/fp32"
+    for directory in (export, compiled, bundle):
+        directory.mkdir(parents=True)
+    (export / "chunk0.onnx").write_bytes(b"w" * 5000)
+    os.link(export / "chunk0.onnx", compiled / "chunk0.onnx")
+    (compiled / "compile.json").write_bytes(b"j" * 30)
+    os.link(compiled / "chunk0.onnx", bundle / "chunk0.onnx")
+    (bundle / "run.py").write_bytes(b"r" * 200)
+    (tmp_path / "release/m/onnx/fp32.tar.gz").write_bytes(b"t" * 4000)
+    written = {r["step"]: r["written"] for r in bench_scale.step_rows(tmp_path, "m")}
+    assert written == {"export": 5000, "compile": 30, "package": 4200}
+
+
 def test_each_compiles_simulator_check_is_read_whether_it_passed_or_not(tmp_path):
     import json
 
