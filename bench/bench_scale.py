@@ -374,7 +374,9 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
 
 def recorded_stages(path: Path, model: str) -> dict:
     """A model's current ``scale`` rows in a bench data file, as stages keyed by the
-    step's name with its scope ("compile RK3588/fp16", "export (for RK3588)")."""
+    step's name with its scope ("compile RK3588/fp16 (16 positions)", "export (for
+    RK3588)"); a compile's key names the positions its check verified, where the row's
+    command gives them."""
     from npuforge.measurements import load_rows
 
     found = {}
@@ -383,7 +385,12 @@ def recorded_stages(path: Path, model: str) -> dict:
         if row.get("family") != "scale" or row.get("status") != "current" or not prefix:
             continue
         figures = row["figures"]
-        found[prefix.group(1)] = {
+        stage = prefix.group(1)
+        steps = re.search(r"--verify-steps (\d+)", row.get("command", ""))
+        if stage.startswith("compile") and steps:
+            # A compile's time holds its simulator check: only checks of the same length pair.
+            stage += f" ({steps.group(1)} positions)"
+        found[stage] = {
             "seconds": float(figures["wall s"]),
             "step_rss_mb": int(figures["step MB"]),
             "child_rss_mb": int(figures["processes MB"]),

@@ -206,3 +206,28 @@ def test_growth_from_recorded_rows_pairs_steps_by_name(tmp_path, monkeypatch, ca
     monkeypatch.setattr(sys, "argv", [*argv[:-1], f"{small},smollm2-135m"])
     assert bench_scale.main() == 1
     assert "has no current scale rows of smollm2-135m" in capsys.readouterr().err
+
+
+def test_compiles_pair_only_when_their_checks_verified_the_same_positions(tmp_path):
+    """A compile's time holds its simulator check: 8 calls at 0.5B against 64 at 1.5B is
+    no growth of the compile. Steps without a check pair as before."""
+    from npuforge.measurements import write_rows
+
+    small, large = "qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"
+    rows = [
+        scale_row(small, 494, "compile SM8650/a16w8", 100.0, 1000, 3000),
+        scale_row(small, 494, "compile SM8650/fp16", 100.0, 1000, 3000),
+        scale_row(small, 494, "export (for SM8650)", 10.0, 500, 0),
+        scale_row(large, 1544, "compile SM8650/a16w8", 800.0, 2000, 6000),
+        scale_row(large, 1544, "compile SM8650/fp16", 300.0, 2000, 6000),
+        scale_row(large, 1544, "export (for SM8650)", 30.0, 500, 0),
+    ]
+    steps = {0: 8, 1: 16, 3: 64, 4: 16}  # the export rows' commands name 8 and 64 as well
+    for index, row in enumerate(rows):
+        row["command"] += f" --verify-steps {steps.get(index, 8 if index < 3 else 64)}"
+    data = tmp_path / "benches.yaml"
+    write_rows(data, rows)
+    paired = set(bench_scale.recorded_stages(data, small)) & set(
+        bench_scale.recorded_stages(data, large)
+    )
+    assert paired == {"compile SM8650/fp16 (16 positions)", "export (for SM8650)"}
