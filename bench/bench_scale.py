@@ -139,7 +139,7 @@ def step_rows(results: Path, model: str) -> list[dict]:
     bytes of its outputs; a step that failed after running its toolchain job, with what
     it had used, as job "<job> (failed)" (a stage of its own: never added to a finished
     one)."""
-    rows = []
+    rows, outputs = [], []
     logs = results / "logs"
     for log in sorted(logs.rglob("*.log")):
         parts = log.relative_to(logs).with_suffix("").parts
@@ -153,13 +153,12 @@ def step_rows(results: Path, model: str) -> list[dict]:
         if figures is None:
             continue
         job = rest[len(model) :].lstrip("/.") or "-"
-        rows.append(
-            {"step": step, "job": f"{job} (failed)" if failed else job, "rest": rest, **figures}
-        )
+        rows.append({"step": step, "job": f"{job} (failed)" if failed else job, **figures})
+        outputs.append((rows[-1], rest))
     # Bytes in the pipeline's order, so a file linked downstream counts at its maker.
-    order, seen = list(STEP_OUTPUTS), set()
-    for row in sorted(rows, key=lambda r: order.index(r["step"]) if r["step"] in order else 0):
-        row["written"] = written_bytes(results, row["step"], row.pop("rest"), model, seen)
+    pipeline, seen = {step: i for i, step in enumerate(STEP_OUTPUTS)}, set()
+    for row, rest in sorted(outputs, key=lambda o: pipeline.get(o[0]["step"], 0)):
+        row["written"] = written_bytes(results, row["step"], rest, model, seen)
     return rows
 
 

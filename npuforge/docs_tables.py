@@ -209,13 +209,11 @@ def support_matrix(rows, targets: dict, model: str, twin: str | None = None) -> 
 
 # The fidelity goals of a trained model's integer precisions (issue 41), beside the gates
 # a build must pass: (weights, top-1 agreement at least, perplexity change at most).
+EIGHT_BIT = ("8-bit", 0.97, 0.02)
+FOUR_BIT = ("4-bit", 0.92, 0.06)
 PRECISION_GOALS = {
-    "a16w8": ("8-bit", 0.97, 0.02),
-    "w8a8": ("8-bit", 0.97, 0.02),
-    "int8": ("8-bit", 0.97, 0.02),
-    "w8f16": ("8-bit", 0.97, 0.02),
-    "a16w4": ("4-bit", 0.92, 0.06),
-    "w4f16": ("4-bit", 0.92, 0.06),
+    **dict.fromkeys(("a16w8", "w8a8", "int8", "w8f16"), EIGHT_BIT),
+    **dict.fromkeys(("a16w4", "w4f16"), FOUR_BIT),
 }
 
 
@@ -260,13 +258,11 @@ def goals_table(rows, targets: dict, models: list[str]) -> str:
             if precision not in PRECISION_GOALS:
                 continue
             kind, top1, perplexity = PRECISION_GOALS[precision]
-            for model in models:
-                measured = _vendor_rows(rows, model, target, precision)
-                if not measured and not any(
-                    _vendor_rows(rows, m, target, precision) for m in models
-                ):
-                    continue
-                goal = f"{kind}: >= {top1}, <= {percent(perplexity)} over {GOAL_POSITIONS}"
+            goal = f"{kind}: >= {top1}, <= {percent(perplexity)} over {GOAL_POSITIONS}"
+            by_model = {m: _vendor_rows(rows, m, target, precision) for m in models}
+            if not any(by_model.values()):
+                continue
+            for model, measured in by_model.items():
                 if not measured:
                     body.append([f"{target} {precision}", model, goal, "not measured"] + ["–"] * 6)
                     continue
