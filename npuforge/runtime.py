@@ -134,6 +134,88 @@ def run_graph(session, meta, graph, tokens, position, embedding, carried, state,
     return handed_on, logits
 
 
+def run_chunk_by_chunk(exports: dict, calls, open_session=None, capture=None, label="graphs"):
+    """The logits of each of ``calls`` (``(variant, tokens [B, T])`` in order), the state
+    and position carried from call to call (across variants too) as a ``GraphChain``
+    carries them: one list entry per call, the last chunk's logits output.
+
+    One graph's session is open at a time. Each run of consecutive calls of one variant
+    (a segment: the prefill calls, then the decode calls) goes chunk by chunk: chunk i runs
+    every call of the segment and is dropped before chunk i + 1 opens, so the run holds one
+    chunk (plus the hidden states between chunks, calls x tokens x embed) however many
+    chunks the export has. Calls are independent across chunks given the previous chunk's
+    hidden output and the chunk's own state, so the logits are those of a call-by-call
+    run; the next segment starts from the state the last one left, by name, whatever
+    either export's chunking.
+
+    ``exports``: variant -> (export directory, its export.json). ``open_session(meta,
+    onnx_path)``: default onnxruntime on the CPU. ``capture(variant, chunk, feeds)`` sees
+    every graph's feeds, each chunk's in call order.
+    """
+    import numpy as np
+
+    from npuforge import progress
+    from npuforge.memory import release_memory
+    from npuforge.onnx_io import read_embedding_bin
+
+    if open_session is None:
+
+        def open_session(meta, onnx_path):
+            return onnxruntime_session(onnx_path)
+
+    segments, position = [], 0
+    for number, (variant, tokens) in enumerate(calls):
+        meta = exports[variant][1]
+        expected = (int(meta["batch"]), int(meta["tokens_per_call"]))
+        if tuple(np.shape(tokens)) != expected:
+            raise NpuforgeError(
+                f"a {variant} call got tokens of shape {list(np.shape(tokens))}, its graphs "
+                f"take {list(expected)}"
+            )
+        if not segments or segments[-1][0] != variant:
+            segments.append((variant, []))
+        segments[-1][1].append((number, np.asarray(tokens, dtype=np.int64), position))
+        position += expected[1]
+
+    logits, state, serving = [None] * len(calls), None, None
+    for variant, segment in segments:
+        directory, meta = Path(exports[variant][0]), exports[variant][1]
+        start = initial_state(directory, meta)
+        if state is not None:
+            missing = sorted(set(start) - set(state))
+            if missing:
+                raise NpuforgeError(
+                    f"the {serving} export lacks state {missing[0]!r} that the {variant} "
+                    "export takes; export both from one checkpoint"
+                )
+            start = {name: state[name].astype(value.dtype) for name, value in start.items()}
+        state, serving = start, variant
+        embedding = None
+        if meta.get("embedding"):
+            embedding = read_embedding_bin(directory / meta["embedding"]["file"])
+        carried = [{} for _ in segment]
+        graphs = meta["graphs"]
+        for index, graph in enumerate(graphs):
+            what = f"{label}: {variant} chunk {index + 1} of {len(graphs)}"
+            progress.stage(what, index, len(graphs))
+            session = open_session(meta, directory / graph["file"])
+            seen = None
+            if capture is not None:
+
+                def seen(feeds, variant=variant, index=index):
+                    capture(variant, index, feeds)
+
+            for slot, (number, tokens, first) in enumerate(segment):
+                carried[slot], found = run_graph(
+                    session, meta, graph, tokens, first, embedding, carried[slot], state, seen
+                )
+                if found is not None:
+                    logits[number] = np.asarray(found, dtype=np.float32)
+            session = None  # release this graph before the next loads
+            release_memory()
+    return logits
+
+
 class GraphChain:
     def __init__(self, export_dir, session_factory=None, capture=None):
         import numpy as np

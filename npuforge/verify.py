@@ -1,12 +1,12 @@
 """Check exported graphs against an independent reference and report the figures.
 
-The graphs run through ``npuforge.runtime.GraphChain`` over a seeded token
-sequence (fp16 exports through ``Fp16EmulationSession``, so overflow shows as it
-would on an fp16 NPU). The reference (``auto``, alias ``rwkv``) is the family's
-own implementation on the same checkpoint — BlinkDL's ``rwkv`` package (strategy
-``cpu fp32``) for RWKV, ``npuforge.models.<family>.reference_logits`` otherwise —
-or another export directory (``onnx-fp32:DIR``). Figures, over every step and
-batch row:
+The graphs run chunk by chunk (``npuforge.runtime.run_chunk_by_chunk``: one graph's
+session open at a time) over a seeded token sequence (fp16 exports through
+``Fp16EmulationSession``, so overflow shows as it would on an fp16 NPU). The reference
+(``auto``, alias ``rwkv``) is the family's own implementation on the same checkpoint —
+BlinkDL's ``rwkv`` package (strategy ``cpu fp32``) for RWKV,
+``npuforge.models.<family>.reference_logits`` otherwise — or another export directory
+(``onnx-fp32:DIR``). Figures, over every step and batch row:
 
 * ``max_abs_rel``: max |Δlogit| / max |reference logit|
 * ``cosine`` (minimum per step) and ``cosine_mean``
@@ -31,20 +31,42 @@ def seeded_tokens(vocab_size: int, batch: int, steps: int, seed: int = TOKEN_SEE
     return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, steps), dtype=np.int64)
 
 
-def session_factory_for(meta):
+def open_session(meta, onnx_path):
+    """A session for one graph of an export: fp16 exports through the emulation session."""
     from npuforge.runtime import Fp16EmulationSession, onnxruntime_session
 
-    return Fp16EmulationSession if meta["dtype"] == "fp16" else onnxruntime_session
+    factory = Fp16EmulationSession if meta["dtype"] == "fp16" else onnxruntime_session
+    return factory(onnx_path)
 
 
-def open_chain(export_dir):
+def read_export(export_dir) -> tuple:
+    """(directory, export.json) of an export directory."""
     from npuforge.fileio import read_json
-    from npuforge.runtime import GraphChain
 
     meta_path = Path(export_dir) / "export.json"
     if not meta_path.is_file():
         raise NpuforgeError(f"{export_dir}: no export.json; run export_onnx.py first")
-    return GraphChain(export_dir, session_factory=session_factory_for(read_json(meta_path)))
+    return Path(export_dir), read_json(meta_path)
+
+
+def run_calls(exports: dict, calls, label: str) -> list:
+    """Each call's logits, one chunk's session at a time; see ``run_chunk_by_chunk``."""
+    from npuforge.runtime import run_chunk_by_chunk
+
+    rows = run_chunk_by_chunk(exports, calls, open_session, label=label)
+    release_memory()
+    return rows
+
+
+def decode_logits(export, tokens, label: str):
+    """``[B, S, V]`` logits of a decode export over ``tokens`` ``[B, S]``, call by call."""
+    import numpy as np
+
+    t = int(export[1]["tokens_per_call"])
+    if tokens.shape[1] % t:
+        raise NpuforgeError(f"sequence length {tokens.shape[1]} is not a multiple of {t}")
+    calls = [("decode", tokens[:, i : i + t]) for i in range(0, tokens.shape[1], t)]
+    return np.concatenate(run_calls({"decode": export}, calls, label), axis=1)
 
 
 def family_reference(family: str, checkpoint, tokens, prefix=()) -> tuple:
@@ -112,13 +134,12 @@ def logits_agreement(reference, compiled) -> dict:
 def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
     """Prefill the first whole calls, continue with decode; compare with decode alone.
 
-    One export's graphs are loaded at a time: the prefill graphs are released before the
-    decode graphs load and continue from their state."""
+    Chunk by chunk: the prefill graphs run the prefill calls one chunk at a time, then
+    the decode graphs continue from their state the same way (either chunking)."""
     import numpy as np
 
-    progress.stage("prefill graphs: loading, then prefill calls")
-    prefill = open_chain(prefill_dir)
-    t = prefill.tokens_per_call
+    prefill, decode = read_export(prefill_dir), read_export(decode_dir)
+    t = int(prefill[1]["tokens_per_call"])
     steps = tokens.shape[1]
     n_prefill = (steps // t) * t
     if n_prefill == 0 or n_prefill == steps:
@@ -127,31 +148,21 @@ def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
         raise NpuforgeError(
             f"--tokens {steps} is too short to prefill {t} tokens and then decode; raise --tokens"
         )
-    last_only = bool(prefill.meta["options"].get("last_token_logits"))
-    pieces, positions = [], []
-    for start in range(0, n_prefill, t):
-        out = prefill.step(tokens[:, start : start + t])
-        pieces.append(out)
-        positions += [start + t - 1] if last_only else list(range(start, start + t))
-    state, position, batch = prefill.state, prefill.position, prefill.batch
-    del prefill
-    release_memory()
-    progress.stage("decode graphs: loading, then decode calls after the prefill")
-    decode_chain = open_chain(decode_dir)
-    if batch != decode_chain.batch:
+    if int(prefill[1]["batch"]) != int(decode[1]["batch"]):
         raise NpuforgeError("prefill and decode exports have different --batch; export them alike")
-    missing = set(decode_chain.state) - set(state)
-    if missing:
-        raise NpuforgeError(
-            f"prefill export lacks state {sorted(missing)[0]!r}; export both from one checkpoint"
-        )
-    decode_chain.state = {k: state[k].astype(v.dtype) for k, v in decode_chain.state.items()}
+    last_only = bool(prefill[1]["options"].get("last_token_logits"))
+    calls, positions = [], []
+    for start in range(0, n_prefill, t):
+        calls.append(("prefill", tokens[:, start : start + t]))
+        positions += [start + t - 1] if last_only else list(range(start, start + t))
     # Position-indexed inputs (a KV cache's mask, RoPE rows, write slots) continue where
     # the prefill stopped; recurrent families ignore the counter.
-    decode_chain.position = position
     for start in range(n_prefill, steps):
-        pieces.append(decode_chain.step(tokens[:, start : start + 1]))
+        calls.append(("decode", tokens[:, start : start + 1]))
         positions.append(start)
+    pieces = run_calls(
+        {"prefill": prefill, "decode": decode}, calls, "prefill graphs, then decode graphs"
+    )
     combined = np.concatenate(pieces, axis=1)
     figures = compare(combined, decode_logits[:, positions])
     figures.update(
@@ -162,14 +173,10 @@ def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
 
 def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> dict:
     """Run the checks; return the report dict (``verify_onnx.py`` writes it as JSON)."""
-    from npuforge.fileio import read_json
-
     if not export_dirs:
         raise NpuforgeError("give at least one --export directory")
-    meta_path = Path(export_dirs[0]) / "export.json"
-    if not meta_path.is_file():
-        raise NpuforgeError(f"{export_dirs[0]}: no export.json; run export_onnx.py first")
-    meta = read_json(meta_path)
+    decode = read_export(export_dirs[0])
+    meta = decode[1]
     if meta["variant"] != "decode":
         raise NpuforgeError(f"{export_dirs[0]}: the first --export must be a decode export")
     if steps < 1:
@@ -177,7 +184,7 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
     tokens = seeded_tokens(meta["vocab_size"], int(meta["batch"]), steps)
 
     # One model in memory at a time: the reference's is released before the graphs load,
-    # and the prefill graphs before decode continues from their state.
+    # and the graphs load one chunk at a time.
     if reference in ("auto", "rwkv"):
         progress.stage(f"reference: {meta['family']} over {steps} tokens")
         if checkpoint is None:
@@ -185,20 +192,15 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
         prefix = meta.get("kv_prefix", {}).get("tokens", ())
         ref_logits, ref_name = family_reference(meta["family"], checkpoint, tokens, prefix)
     elif reference.startswith("onnx-fp32:"):
-        ref_chain = open_chain(reference[len("onnx-fp32:") :])
-        if ref_chain.meta["dtype"] != "fp32" or ref_chain.meta["variant"] != "decode":
+        ref_export = read_export(reference[len("onnx-fp32:") :])
+        if ref_export[1]["dtype"] != "fp32" or ref_export[1]["variant"] != "decode":
             raise NpuforgeError(f"{reference}: the reference must be an fp32 decode export")
-        ref_logits = ref_chain.run(tokens)
-        del ref_chain
+        ref_logits = decode_logits(ref_export, tokens, f"reference graphs over {steps} calls")
         ref_name = "onnxruntime fp32"
     else:
         raise NpuforgeError(f"--reference {reference!r} is unknown; use auto or onnx-fp32:DIR")
     release_memory()
-    progress.stage(f"decode graphs: loading, then {steps} calls")
-    decode = open_chain(export_dirs[0])
-    logits = decode.run(tokens)
-    del decode
-    release_memory()
+    logits = decode_logits(decode, tokens, f"decode graphs over {steps} calls")
 
     report = compare(logits, ref_logits)
     report.update(

@@ -54,8 +54,15 @@ def test_prefill_then_decode_by_chunk_gives_the_models_logits_at_any_chunking(tm
         )
         assert got.shape == (12, 128)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    # Every graph's feeds, each chunk's calls in order: chunk by chunk.
-    assert seen == [(call.variant, chunk) for chunk in range(3) for call in schedule]
+    # Every graph's feeds, each chunk's calls in order: chunk by chunk, the prefill calls'
+    # chunks first, then the decode calls'.
+    assert seen == [
+        (variant, chunk)
+        for variant in ("prefill", "decode")
+        for chunk in range(3)
+        for call in schedule
+        if call.variant == variant
+    ]
 
 
 SETUP = """

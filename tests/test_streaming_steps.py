@@ -1,6 +1,6 @@
 """Host steps that stream: the Llama export reads one chunk's weights at a time (the same
 bytes as an export from the whole model in memory, a peak that follows the chunk, not the
-model), and the export check holds one model at a time."""
+model), and the export check holds one model at a time, its graphs one chunk at a time."""
 
 import filecmp
 
@@ -208,3 +208,67 @@ def test_calibration_holds_one_chunk_not_the_model(tmp_path):
         run += "samples=4, steps=4, seed=0)"
         peaks[chunks] = peak_bytes(setup, run)
     assert peaks[16] < model_bytes / 2 and peaks[16] < peaks[1] / 4, (peaks, model_bytes)
+
+
+def test_the_export_check_chunk_by_chunk_gives_the_call_by_call_logits(tmp_path):
+    """The check's chunk-by-chunk run of decode graphs, and of prefill graphs continued by
+    decode graphs chunked otherwise, gives a GraphChain's call-by-call logits exactly."""
+    import numpy as np
+
+    from npuforge.runtime import GraphChain
+    from npuforge.verify import decode_logits, read_export, run_calls
+
+    checkpoint = tmp_path / "ckpt"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=4, embed=64, heads=4, kv_heads=2, vocab=200, intermediate=96,
+        arch="qwen2", tied=True, seed=2,
+    )  # fmt: skip
+    common = {"cache_len": 32, "kv_prefix": [3], "ext_embedding": True}
+    export_llama(checkpoint, tmp_path / "d", variant="decode", tokens=1, chunks=3, **common)
+    export_llama(checkpoint, tmp_path / "p", variant="prefill", tokens=4, chunks=2, **common)
+    tokens = np.random.default_rng(1).integers(0, 200, size=(1, 10))
+    decode = GraphChain(tmp_path / "d")
+    want = decode.run(tokens)
+    got = decode_logits(read_export(tmp_path / "d"), tokens, "decode graphs")
+    assert np.array_equal(got, want)
+
+    prefill = GraphChain(tmp_path / "p")
+    pieces = [prefill.step(tokens[:, :4]), prefill.step(tokens[:, 4:8])]
+    decode.reset()
+    decode.state, decode.position = dict(prefill.state), prefill.position
+    pieces += [decode.step(tokens[:, 8:9]), decode.step(tokens[:, 9:10])]
+    calls = [("prefill", tokens[:, :4]), ("prefill", tokens[:, 4:8])]
+    calls += [("decode", tokens[:, 8:9]), ("decode", tokens[:, 9:10])]
+    exports = {"prefill": read_export(tmp_path / "p"), "decode": read_export(tmp_path / "d")}
+    for got, want in zip(run_calls(exports, calls, "graphs"), pieces, strict=True):
+        assert np.array_equal(got, want)
+
+
+CHECK_SETUP = """
+from npuforge.verify import verify_export
+verify_export([{tiny!r}], None, 2, reference="onnx-fp32:" + {tiny!r})
+"""
+
+
+def test_the_export_check_holds_one_chunk_not_the_model(tmp_path):
+    """Peak RSS of the export check of a 16-layer float32 export in 16 chunks (268 MB of
+    weights) against the same graphs (``onnx-fp32:`` reference), then prefill graphs
+    continued by decode ones: one graph's session is open at a time, so the check peaks
+    at a fraction of the model (with all chunks open at once it held the whole model:
+    7.3 GB at Qwen2.5-1.5B)."""
+    checkpoint, tiny = tmp_path / "ckpt", tmp_path / "tiny"
+    weights.write_synthetic_checkpoint(
+        checkpoint, layers=16, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
+    )  # fmt: skip
+    weights.write_synthetic_checkpoint(
+        tiny, layers=2, embed=32, heads=2, kv_heads=2, vocab=64, intermediate=48
+    )
+    export_llama(tiny, tmp_path / "tiny-export", variant="decode", tokens=1, cache_len=8)
+    model_bytes = 4 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+    decode, prefill = tmp_path / "decode", tmp_path / "prefill"
+    for variant, out, tokens in (("decode", decode, 1), ("prefill", prefill, 4)):
+        export_llama(checkpoint, out, variant=variant, tokens=tokens, chunks=16, cache_len=16)
+    run = f"verify_export([{str(decode)!r}, {str(prefill)!r}], None, 6, "
+    run += f"reference='onnx-fp32:{decode}')"
+    peak = peak_bytes(CHECK_SETUP.format(tiny=str(tmp_path / "tiny-export")), run)
+    assert peak < model_bytes / 2, (peak, model_bytes)

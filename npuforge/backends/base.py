@@ -262,71 +262,26 @@ def reference_logits(exports: dict, schedule, ids, capture=None):
     to the decode calls, as ``GraphChain`` carries them. ``capture(variant, chunk,
     feeds)`` sees every graph's feeds, each chunk's in call order.
 
-    Chunk by chunk: one graph's session runs every call of the schedule it serves and is
-    dropped before the next opens, so the run holds one chunk of one variant at a time
-    (plus the hidden states between chunks, positions x embed) however many chunks the
-    export has. Calls are independent across chunks given the previous chunk's hidden
-    output and the chunk's own state, so the logits are those of a call-by-call run."""
+    Chunk by chunk (``npuforge.runtime.run_chunk_by_chunk``): the run holds one chunk of
+    one variant at a time however many chunks the export has."""
     import numpy as np
 
-    from npuforge.onnx_io import read_embedding_bin
-    from npuforge.runtime import initial_state, onnxruntime_session, run_graph
+    from npuforge.runtime import run_chunk_by_chunk
 
     ids = np.asarray(ids, dtype=np.int64)
-    starts, position = [], 0
+    calls = []
     for call in schedule:
-        starts.append(position)
-        position += call.tokens
-    starts_state = {v: initial_state(e.dir, e.meta) for v, e in exports.items()}
-    tables = {}
-
-    def table(variant):
-        if variant not in tables:
-            export = exports[variant]
-            tables[variant] = read_embedding_bin(export.dir / export.meta["embedding"]["file"])
-        return tables[variant]
-
-    carried = [{} for _ in schedule]
-    logits = [None] * len(schedule)
-    chunks = len(next(iter(exports.values())).graphs)
-    for index in range(chunks):
-        progress.stage(f"fp32 reference run: chunk {index + 1} of {chunks}", index, chunks)
-        state, serving, session = None, None, None
-        for number, call in enumerate(schedule):
-            export = exports[call.variant]
-            graph = export.graphs[index]
-            if call.variant != serving:
-                session = None  # release the previous graph before the next loads
-                session = onnxruntime_session(export.dir / graph["file"])
-                start = starts_state[call.variant]
-                names = [i["name"] for i in graph["inputs"] if i["role"] == "state"]
-                state = {
-                    n: (start[n].copy() if state is None else state[n].astype(start[n].dtype))
-                    for n in names
-                }
-                serving = call.variant
-            batch = int(export.meta["batch"])
-            tokens = np.repeat(
-                ids[call.position : call.position + call.tokens].reshape(1, call.tokens),
-                batch,
-                axis=0,
-            )
-            embedding = table(call.variant) if export.meta.get("embedding") else None
-            seen = None
-            if capture is not None:
-
-                def seen(feeds, variant=call.variant, index=index):
-                    capture(variant, index, feeds)
-
-            carried[number], row = run_graph(
-                session, export.meta, graph, tokens, starts[number], embedding,
-                carried[number], state, seen,
-            )  # fmt: skip
-            if row is not None:
-                row = np.asarray(row, dtype=np.float32)
-                logits[number] = np.moveaxis(row, 1, 0).reshape(row.shape[1], -1)
+        batch = int(exports[call.variant].meta["batch"])
+        row = ids[call.position : call.position + call.tokens].reshape(1, call.tokens)
+        calls.append((call.variant, np.repeat(row, batch, axis=0)))
+    rows = run_chunk_by_chunk(
+        {variant: (export.dir, export.meta) for variant, export in exports.items()},
+        calls,
+        capture=capture,
+        label="fp32 reference run",
+    )
     progress.clear()
-    return np.concatenate(logits)
+    return np.concatenate([np.moveaxis(row, 1, 0).reshape(row.shape[1], -1) for row in rows])
 
 
 def write_call_feeds(exports: dict, schedule, ids, work_dir) -> list[dict]:
