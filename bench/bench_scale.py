@@ -7,6 +7,8 @@ toolchains run natively so that a compile's processes are the step's own childre
 prints, per model, every step the build ran:
 
   wall s       the step's wall time (from its log's resources line, npuforge.cli)
+  CPU s        CPU seconds of the step and of the processes it ran (not a container's):
+               barely moved by other work on the host, where wall time is
   step MB      peak RSS of the step's own process
   child MB     peak total RSS of the processes the step ran (its toolchain jobs),
                sampled every 0.5 s
@@ -16,8 +18,8 @@ prints, per model, every step the build ran:
 then each compile's check on its simulator (positions, calls per graph variant, worst and
 mean logits cosine, top-1 agreement and perplexity change against fp32, and whether it
 passed its gate), and a side-by-side table of the steps every model ran, with the growth
-exponent of wall time and peak memory between consecutive sizes (1.0: linear in
-parameters). A step kept
+exponent of wall time, CPU time and peak memory between consecutive sizes (1.0: linear
+in parameters; CPU time's is the one to trust when the builds shared the host). A step kept
 in the machine cache from an earlier build (export, calibration) has no log line in a
 fresh results directory: pass a fresh --results to measure everything.
 
@@ -240,13 +242,25 @@ def stages(rows: list[dict]) -> dict[str, dict]:
     merged: dict[str, dict] = {}
     for row in rows:
         stage = merged.setdefault(
-            stage_of(row), {"seconds": 0.0, "step_rss_mb": 0, "child_rss_mb": 0, "written": 0}
+            stage_of(row),
+            {"seconds": 0.0, "cpu_seconds": 0.0, "step_rss_mb": 0, "child_rss_mb": 0, "written": 0},
         )
         stage["seconds"] += row["seconds"]
+        # Unknown (a log from before the CPU figure) if any of its jobs' is.
+        if stage["cpu_seconds"] is not None and row.get("cpu_seconds") is not None:
+            stage["cpu_seconds"] += row["cpu_seconds"]
+        else:
+            stage["cpu_seconds"] = None
         stage["written"] += row["written"]
         stage["step_rss_mb"] = max(stage["step_rss_mb"], row["step_rss_mb"])
         stage["child_rss_mb"] = max(stage["child_rss_mb"], row["child_rss_mb"])
     return merged
+
+
+def cpu_figure(stage: dict):
+    """A stage's CPU seconds for a data row, None where a log predates the figure."""
+    cpu = stage.get("cpu_seconds")
+    return None if cpu is None else round(cpu, 1)
 
 
 def peak_mb(stage: dict) -> int:
@@ -255,8 +269,11 @@ def peak_mb(stage: dict) -> int:
     return stage["step_rss_mb"] + stage["child_rss_mb"]
 
 
-def exponent(small: float, large: float, params_small: int, params_large: int) -> str:
-    """The growth exponent k of large = small * (params ratio)^k."""
+def exponent(small, large, params_small: int, params_large: int) -> str:
+    """The growth exponent k of large = small * (params ratio)^k ("–" where either figure
+    is unknown)."""
+    if small is None or large is None:
+        return "–"
     if small <= 0 or large <= 0 or params_large == params_small:
         return "–"
     return f"{math.log(large / small) / math.log(params_large / params_small):.2f}"
@@ -268,13 +285,14 @@ def model_table(rows: list[dict]) -> str:
             r["step"],
             r["job"],
             f"{r['seconds']:.1f}",
+            "–" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.1f}",
             r["step_rss_mb"],
             r["child_rss_mb"],
             f"{r['written'] / 1e6:.1f} MB",
         )
         for r in rows
     ]
-    return table(("step", "job", "wall s", "step MB", "child MB", "written"), body)
+    return table(("step", "job", "wall s", "CPU s", "step MB", "child MB", "written"), body)
 
 
 def growth_table(measured: list[tuple[str, int, dict]]) -> str:
@@ -284,7 +302,8 @@ def growth_table(measured: list[tuple[str, int, dict]]) -> str:
     for model, _params, _ in measured:
         header += [f"{model} s", f"{model} MB"]
     for (small, _, _), (large, _, _) in zip(measured, measured[1:], strict=False):
-        header += [f"time k {small}->{large}", f"memory k {small}->{large}"]
+        header += [f"time k {small}->{large}", f"CPU k {small}->{large}"]
+        header += [f"memory k {small}->{large}"]
     body = []
     for stage in common:
         row = [stage]
@@ -293,6 +312,7 @@ def growth_table(measured: list[tuple[str, int, dict]]) -> str:
         for (_, p1, s1), (_, p2, s2) in zip(measured, measured[1:], strict=False):
             row += [
                 exponent(s1[stage]["seconds"], s2[stage]["seconds"], p1, p2),
+                exponent(s1[stage]["cpu_seconds"], s2[stage]["cpu_seconds"], p1, p2),
                 exponent(peak_mb(s1[stage]), peak_mb(s2[stage]), p1, p2),
             ]
         body.append(tuple(row))
@@ -335,6 +355,7 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
                     "setting": f"{model} ({params / 1e6:.0f}M parameters): {stage}{scope}",
                     "figures": {
                         "wall s": round(figures["seconds"], 1),
+                        "CPU s": cpu_figure(figures),
                         "step MB": figures["step_rss_mb"],
                         "processes MB": figures["child_rss_mb"],
                         "written MB": round(figures["written"] / 1e6, 1),
@@ -391,6 +412,7 @@ def recorded_stages(path: Path, model: str) -> dict:
             stage += f" ({steps.group(1)} positions)"
         found[stage] = {
             "seconds": float(figures["wall s"]),
+            "cpu_seconds": None if figures.get("CPU s") is None else float(figures["CPU s"]),
             "step_rss_mb": int(figures["step MB"]),
             "child_rss_mb": int(figures["processes MB"]),
             "written": float(figures["written MB"]) * 1e6,
@@ -415,6 +437,9 @@ def growth_rows(measured, command: str) -> list[dict]:
                     "setting": f"{stage}: {small} -> {large}",
                     "figures": {
                         "time k": exponent(s1[stage]["seconds"], s2[stage]["seconds"], p1, p2),
+                        "CPU k": exponent(
+                            s1[stage]["cpu_seconds"], s2[stage]["cpu_seconds"], p1, p2
+                        ),
                         "memory k": exponent(peak_mb(s1[stage]), peak_mb(s2[stage]), p1, p2),
                     },
                     "date": measurements.today(),
@@ -437,7 +462,7 @@ def from_records(args) -> int:
             return 1
         measured.append((model, parameters(model), found))
     measured.sort(key=lambda m: m[1])
-    print("Growth (k: wall time or peak memory ~ parameters^k), from recorded rows")
+    print("Growth (k: wall time, CPU time or peak memory ~ parameters^k), from recorded rows")
     print(growth_table(measured))
     if args.record:
         from npuforge.measurements import record_bench_rows
@@ -489,7 +514,7 @@ def main() -> int:
     measured = [m for m in measured if m[2]]
     if len(measured) > 1:
         measured.sort(key=lambda m: m[1])
-        print("\nGrowth (k: wall time or peak memory ~ parameters^k)")
+        print("\nGrowth (k: wall time, CPU time or peak memory ~ parameters^k)")
         print(growth_table(measured))
     if args.record:
         from npuforge.measurements import record_bench_rows

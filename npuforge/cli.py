@@ -139,18 +139,23 @@ class ChildrenPeak:
 
 
 def resources_line(started: float, children_peak: int, failed: bool = False) -> str:
-    """What the step used, for its log (bench/bench_scale.py reads it): wall seconds, the
-    peak resident memory of the step's own process and the largest sampled total of the
-    processes it ran; ``failed``: the form a failed step writes before its error."""
+    """What the step used, for its log (bench/bench_scale.py reads it): wall seconds, CPU
+    seconds (the step's and those of the processes it ran and waited for: a container's
+    processes belong to its engine and are not counted), the peak resident memory of
+    the step's own process and the largest sampled total of the processes it ran;
+    ``failed``: the form a failed step writes before its error. CPU seconds barely move
+    when other work shares the host; wall seconds do."""
     import resource
     import time
 
     own = _resident_bytes(os.getpid(), "VmHWM") or (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(usage.ru_utime + usage.ru_stime for usage in usages)
     return (
         f"{FAILED_STEP_RESOURCES if failed else STEP_RESOURCES} "
-        f"{time.monotonic() - started:.1f} s wall, peak RSS "
+        f"{time.monotonic() - started:.1f} s wall, {cpu:.1f} s CPU, peak RSS "
         f"{own / 2**20:.0f} MB (step), {children_peak / 2**20:.0f} MB (processes it ran)"
     )
 
@@ -163,22 +168,27 @@ FAILED_STEP_RESOURCES = "step resources (failed):"
 
 
 def read_step_resources(log_text: str, failed: bool = False) -> dict | None:
-    """The figures of a log's last resources line: ``seconds``, ``step_rss_mb`` and
-    ``child_rss_mb``; None if the step did not finish (``failed``: if it did not fail).
-    Reads the first form's lines too ("largest process it ran", getrusage's peak of one
-    child)."""
+    """The figures of a log's last resources line: ``seconds``, ``cpu_seconds`` (None in
+    lines written before it was), ``step_rss_mb`` and ``child_rss_mb``; None if the step
+    did not finish (``failed``: if it did not fail). Reads the first form's lines too
+    ("largest process it ran", getrusage's peak of one child)."""
     import re
 
     pattern = (
         re.escape(FAILED_STEP_RESOURCES if failed else STEP_RESOURCES)
-        + r" ([\d.]+) s wall, peak RSS (\d+) MB \(step\), "
+        + r" ([\d.]+) s wall, (?:([\d.]+) s CPU, )?peak RSS (\d+) MB \(step\), "
         r"(\d+) MB \((?:processes it ran|largest process it ran)\)"
     )
     found = re.findall(pattern, log_text)
     if not found:
         return None
-    seconds, own, child = found[-1]
-    return {"seconds": float(seconds), "step_rss_mb": int(own), "child_rss_mb": int(child)}
+    seconds, cpu, own, child = found[-1]
+    return {
+        "seconds": float(seconds),
+        "cpu_seconds": float(cpu) if cpu else None,
+        "step_rss_mb": int(own),
+        "child_rss_mb": int(child),
+    }
 
 
 def _run_main(main, argv) -> int:

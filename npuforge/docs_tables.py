@@ -341,11 +341,12 @@ BENCH_LABELS = {"tokens_per_s": "tokens/s"}
 
 
 def bench_table(bench_rows, family: str) -> str:
-    """One bench family's rows: its setting, then each figure as the first row names it."""
+    """One bench family's rows: its setting, then each figure any row has, in the order
+    the rows first name them ("–" where a row lacks one: a figure added since)."""
     chosen = [row for row in bench_rows if row.get("family") == family]
     if not chosen:
         raise NpuforgeError(f"no bench rows of family '{family}'; add them or fix the marker")
-    keys = list(chosen[0]["figures"])
+    keys = list(dict.fromkeys(key for row in chosen for key in row["figures"]))
     header = ["setting", *(BENCH_LABELS.get(k, k.replace("_", " ")) for k in keys), "date"]
     body = [
         [row["setting"], *(_number(row["figures"].get(k)) for k in keys), row["date"]]

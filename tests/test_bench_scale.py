@@ -10,23 +10,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_scale  # noqa: E402
 
 
-def finished_step(results: Path, log: str, seconds: float, rss_mb: int, child_mb: int):
+def finished_step(results: Path, log: str, seconds, rss_mb, child_mb, cpu=None):
+    """A step's log; ``cpu``: its CPU seconds, else the line of logs from before them."""
     path = results / "logs" / log
     path.parent.mkdir(parents=True, exist_ok=True)
+    used = f"{seconds} s wall, " + ("" if cpu is None else f"{cpu} s CPU, ")
     path.write_text(
-        "progress\nstep resources: "
-        f"{seconds} s wall, peak RSS {rss_mb} MB (step), {child_mb} MB (processes it ran)\n"
+        f"progress\nstep resources: {used}peak RSS {rss_mb} MB (step), {child_mb} MB "
+        "(processes it ran)\n"
     )
 
 
 def fake_build(results: Path, model: str, scale: int):
     """Two export keys, a compile, chunk jobs, a step that failed before any process ran
     (no resources line) and a compile whose job was killed."""
-    finished_step(results, f"export/{model}/decode-a.log", 10.0 * scale, 100 * scale, 0)
-    finished_step(results, f"export/{model}/prefill-b.log", 5.0 * scale, 300 * scale, 0)
+    export = f"export/{model}"
+    finished_step(results, f"{export}/decode-a.log", 10.0 * scale, 100 * scale, 0, 8.0 * scale)
+    finished_step(results, f"{export}/prefill-b.log", 5.0 * scale, 300 * scale, 0, 4.0 * scale)
+    # The larger compile shared the host: its wall time grew as the square, its CPU time
+    # linearly.
     finished_step(
-        results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200 * scale, 900 * scale
-    )
+        results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200 * scale, 900 * scale,
+        50.0 * scale,
+    )  # fmt: skip
     # A TPU-MLIR build's chunk jobs: one stage per build, their times added.
     for chunk in (0, 1):
         finished_step(results, f"compile-chunk/{model}/BM1684X/f16/{chunk}.log", 30.0, 50, 400)
@@ -59,17 +65,20 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     merged = bench_scale.stages(small)
     # Export keys add up in time and take the larger peak.
     assert merged["export"]["seconds"] == 15.0 and bench_scale.peak_mb(merged["export"]) == 300
+    assert merged["export"]["cpu_seconds"] == 12.0
     assert bench_scale.peak_mb(merged["compile SM8650/a16w8 (failed)"]) == 5090
     chunks = merged["compile-chunk BM1684X/f16"]
     assert chunks["seconds"] == 60.0 and bench_scale.peak_mb(chunks) == 450
+    assert chunks["cpu_seconds"] is None  # logs from before the CPU figure
     large = bench_scale.stages(bench_scale.step_rows(tmp_path / "large", "large"))
     table = bench_scale.growth_table([("small", 1_000, merged), ("large", 4_000, large)])
-    # stage, then seconds and MB per model, then the two exponents
-    rows = {" ".join(cells[:-6]): cells for cells in map(str.split, table.splitlines()[2:])}
-    # 4x the parameters: the compile's time grew 16x (k = 2), its memory (the step and
-    # the processes it ran, together) 4x (k = 1).
-    assert rows["compile RK3588/fp16"][-2:] == ["2.00", "1.00"]
-    assert rows["export"][-2:] == ["1.00", "1.00"]
+    # stage, then seconds and MB per model, then the three exponents
+    rows = {" ".join(cells[:-7]): cells for cells in map(str.split, table.splitlines()[2:])}
+    # 4x the parameters: the compile's wall time grew 16x (k = 2), its CPU time 4x
+    # (k = 1), its memory (the step and the processes it ran, together) 4x (k = 1).
+    assert rows["compile RK3588/fp16"][-3:] == ["2.00", "1.00", "1.00"]
+    assert rows["export"][-3:] == ["1.00", "1.00", "1.00"]
+    assert rows["compile-chunk BM1684X/f16"][-3:] == ["0.00", "–", "0.00"]
 
 
 def test_a_file_linked_downstream_counts_once_at_the_step_that_made_it(tmp_path):
@@ -159,13 +168,15 @@ def test_each_compiles_simulator_check_is_read_whether_it_passed_or_not(tmp_path
     }  # fmt: skip
 
 
-def scale_row(model: str, params_m: int, stage: str, seconds: float, step_mb, child_mb):
+def scale_row(model: str, params_m: int, stage: str, seconds: float, step_mb, child_mb, cpu=None):
+    cpu_figure = {} if cpu is None else {"CPU s": cpu}  # rows from before the CPU figure
     return {
         "id": f"scale-{model}-{bench_scale.slug(stage)}",
         "family": "scale",
         "setting": f"{model} ({params_m}M parameters): {stage}",
         "figures": {
-            "wall s": seconds, "step MB": step_mb, "processes MB": child_mb, "written MB": 1.0
+            "wall s": seconds, **cpu_figure, "step MB": step_mb, "processes MB": child_mb,
+            "written MB": 1.0,
         },
         "date": "2026-12-05", "commit": "abc1234", "command": "python bench/bench_scale.py",
         "status": "current",
@@ -180,9 +191,9 @@ def test_growth_from_recorded_rows_pairs_steps_by_name(tmp_path, monkeypatch, ca
     small, large = "qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"
     rows = [
         scale_row(small, 494, "compile RK3588/fp16", 100.0, 1000, 3000),
-        scale_row(small, 494, "export (for RK3588)", 10.0, 500, 0),
-        scale_row(large, 1544, "compile RK3588/fp16", 400.0, 2000, 6000),
-        scale_row(large, 1544, "export (for RK3588)", 30.0, 500, 0),
+        scale_row(small, 494, "export (for RK3588)", 10.0, 500, 0, cpu=8.0),
+        scale_row(large, 1544, "compile RK3588/fp16", 400.0, 2000, 6000, cpu=350.0),
+        scale_row(large, 1544, "export (for RK3588)", 30.0, 500, 0, cpu=16.0),
         scale_row(large, 1544, "export (for SM8650)", 30.0, 500, 0),  # no namesake
     ]
     rows.append({**rows[0], "id": "old", "status": "superseded", "figures": {
@@ -198,9 +209,12 @@ def test_growth_from_recorded_rows_pairs_steps_by_name(tmp_path, monkeypatch, ca
     k_time = f"{math.log(4) / math.log(ratio):.2f}"
     k_memory = f"{math.log(8000 / 4000) / math.log(ratio):.2f}"
     assert growth == {
-        f"compile RK3588/fp16: {small} -> {large}": {"time k": k_time, "memory k": k_memory},
+        # The smaller build's row predates the CPU figure: no CPU exponent.
+        f"compile RK3588/fp16: {small} -> {large}": {
+            "time k": k_time, "CPU k": "–", "memory k": k_memory},
         f"export (for RK3588): {small} -> {large}": {
-            "time k": f"{math.log(3) / math.log(ratio):.2f}", "memory k": "0.00"},
+            "time k": f"{math.log(3) / math.log(ratio):.2f}",
+            "CPU k": f"{math.log(2) / math.log(ratio):.2f}", "memory k": "0.00"},
     }  # fmt: skip
     assert "from recorded rows" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", [*argv[:-1], f"{small},smollm2-135m"])

@@ -20,6 +20,12 @@ from npuforge.errors import NpuforgeError
 def main(argv):
     if argv == ["refuse"]:
         raise NpuforgeError("the option is bad; fix it")
+    if argv == ["spin"]:  # a child that burns 0.6 s of CPU, then a step that sleeps 1 s
+        spin = "import time; exec('while time.process_time() < 0.6: pass')"
+        subprocess.run([sys.executable, "-c", spin], check=True)
+        import time
+        time.sleep(1.0)
+        return
     hold = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * (300 << 8); time.sleep(1.5)"
     subprocess.run([sys.executable, "-c", hold], check=True)
     if argv == ["fail"]:
@@ -64,3 +70,23 @@ def test_input_refused_before_any_process_ran_stays_one_error_line():
     refused = run_step("refuse")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == ["error: the option is bad; fix it"]
+
+
+def test_the_resources_line_counts_the_cpu_time_of_the_processes_the_step_ran():
+    """CPU seconds hold the children's work and not the step's waiting, so a step's CPU
+    time stays put when other work shares the host (bench_scale's growth by CPU)."""
+    done = run_step("spin")
+    assert done.returncode == 0, done.stderr
+    figures = read_step_resources(done.stderr)
+    assert figures["cpu_seconds"] >= 0.6, figures
+    assert figures["seconds"] - figures["cpu_seconds"] >= 0.5, figures
+
+
+def test_a_resources_line_without_cpu_seconds_still_reads():
+    line = "step resources: 12.5 s wall, peak RSS 90 MB (step), 5000 MB (processes it ran)"
+    assert read_step_resources(line) == {
+        "seconds": 12.5,
+        "cpu_seconds": None,
+        "step_rss_mb": 90,
+        "child_rss_mb": 5000,
+    }
