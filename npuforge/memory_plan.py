@@ -201,10 +201,18 @@ class MemoryPlan:
     chunk_need_bytes: tuple = ()
 
 
+def compile_costs(backend, family: str) -> dict:
+    """What one parameter costs the backend's compile, per precision: the family's own
+    figures where the backend measured them (``COMPILE_BYTES_PER_PARAM_BY_FAMILY``), else
+    its ``COMPILE_BYTES_PER_PARAM``."""
+    by_family = getattr(backend, "COMPILE_BYTES_PER_PARAM_BY_FAMILY", {})
+    return {**backend.COMPILE_BYTES_PER_PARAM, **by_family.get(family, {})}
+
+
 def memory_plan(model: dict, target: dict, precision: str | None = None) -> MemoryPlan:
     """The fewest layer chunks whose compile job stays within the target's
-    memory_budget_gb, by what one parameter costs its backend's compile
-    (``COMPILE_BYTES_PER_PARAM``; with no precision, the dearest) plus what the step's
+    memory_budget_gb, by what one parameter of the model's family costs its backend's
+    compile (``compile_costs``; with no precision, the dearest) plus what the step's
     fp32 reference run keeps of the same chunk (``base.REFERENCE_BYTES_PER_PARAM``).
 
     Chunks are even where that fits, else the chunks holding the head or the table take
@@ -214,7 +222,7 @@ def memory_plan(model: dict, target: dict, precision: str | None = None) -> Memo
     """
     export = merged_export(model, target)
     backend = backends.get(target["backend"])
-    costs = backend.COMPILE_BYTES_PER_PARAM
+    costs = compile_costs(backend, model["family"])
     per_param = float(costs.get(precision, max(costs.values())))
     budget = float(target["memory_budget_gb"]) * 1e9
     layers = int(model["arch"]["layers"])

@@ -78,6 +78,12 @@ MAX_BATCH = 1
 # --precisions f16 --verify-steps 36 --budget-gb 16). The other precisions, unmeasured,
 # take f16's figure.
 COMPILE_BYTES_PER_PARAM = dict.fromkeys(("f16", "bf16", "int8", "w8f16", "w4f16"), 40.0)
+# RWKV's nets cost the tools twice as much: model_transform alone took 7.6-7.9 GB for a
+# 4-layer (210M-parameter) RWKV-7 1.5B chunk's decode or prefill net, and the two nets
+# side by side peaked at 14.9-18.1 GB for chunks of 210-239M parameters (76 bytes per
+# parameter, the head's chunk the most; bench/bench_scale.py --models rwkv7-1.5b-shape
+# --targets BM1688 --precisions f16 --verify-steps 40 --budget-gb 12, 2026-12-06).
+COMPILE_BYTES_PER_PARAM_BY_FAMILY = {"rwkv": dict.fromkeys(COMPILE_BYTES_PER_PARAM, 76.0)}
 # model_deploy.py's own --tolerance defaults per --quantize (tpu_mlir 1.30.2,
 # ModelDeploy.__init__): "cos,euclid" floors for every tensor it compares.
 DEFAULT_TOLERANCE = {
