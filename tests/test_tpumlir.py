@@ -800,6 +800,49 @@ def test_job_runs_the_nets_side_by_side_then_combines(tmp_path, capsys):
         job.run({**spec, "parallel_nets": 1})
 
 
+def test_transforms_run_one_at_a_time_each_beside_the_other_nets_deploy(tmp_path):
+    """model_transform takes most of a net's peak: with ``one_at_a_time`` the second
+    net's transform waits for the first's to end, and then runs beside the first net's
+    deploy; ``chain_order`` starts the prefill net first though the spec lists it last."""
+    ended = tmp_path / "prefill.transformed"
+    started = tmp_path / "decode.transforming"
+    transform_prefill = (
+        f"import pathlib, time; time.sleep(0.3); pathlib.Path({str(ended)!r}).write_text('x')"
+    )
+    transform_decode = (
+        f"import pathlib, sys; pathlib.Path({str(started)!r}).write_text('x')\n"
+        f"if not pathlib.Path({str(ended)!r}).exists(): sys.exit('two transforms at once')\n"
+    )
+    deploy_prefill = (
+        "import pathlib, sys, time\n"
+        "end = time.monotonic() + 5\n"
+        f"while not pathlib.Path({str(started)!r}).exists():\n"
+        "    if time.monotonic() > end: sys.exit('no transform beside this deploy')\n"
+        "    time.sleep(0.05)\n"
+    )
+
+    def step(net, stage, code):
+        return {**_fake_step(tmp_path, f"{net}:model_{stage}", code, [], graph=net), "stage": stage}
+
+    spec = {
+        **_side_by_side_spec(tmp_path, [
+            step("decode", "transform", transform_decode),
+            step("decode", "deploy", "pass"),
+            step("prefill", "transform", transform_prefill),
+            step("prefill", "deploy", deploy_prefill),
+        ]),
+        "one_at_a_time": ["transform"],
+        "chain_order": ["prefill", "decode"],
+    }  # fmt: skip
+    result = job.run(spec)
+    assert all(s["passed"] for s in result["steps"])
+    # Without the rule both transforms start at once.
+    ended.unlink()
+    started.unlink()
+    with pytest.raises(SystemExit, match="two transforms at once"):
+        job.run({k: v for k, v in spec.items() if k != "one_at_a_time"})
+
+
 def test_nets_starting_at_once_say_so_on_lines_of_their_own(tmp_path, monkeypatch):
     """print writes a line and its newline apart: a slow stream lets the other chain's
     line in between, as it once did in a BM1688 log ("...model_transformTPU-MLIR step")."""
@@ -963,6 +1006,10 @@ def test_the_spec_runs_as_many_nets_at_once_as_the_step_has_cores(exports, tmp_p
     one = _spec(both_nets, "bm1684x", "f16", tmp_path)
     two = _spec(both_nets, "bm1684x", "f16", tmp_path, threads=2)
     assert (one["parallel_nets"], two["parallel_nets"]) == (1, 2)
+    # One model_transform at a time, the prefill net's chain first.
+    assert two["one_at_a_time"] == ["transform"]
+    variants = {g["net"]: g["variant"] for g in two["graphs"]}
+    assert [variants[net] for net in two["chain_order"]] == ["prefill", "decode"]
     assert {k: v for k, v in one.items() if k != "parallel_nets"} == {
         k: v for k, v in two.items() if k != "parallel_nets"
     }

@@ -459,6 +459,12 @@ def build_spec(request, exports: dict, out_dir, work_dir, test_feeds: dict, call
         # Nets whose transform/calibration/deploy chains run side by side, each tool
         # process on one thread: the cores Snakemake gave the step.
         "parallel_nets": max(1, request.threads // max(1, int(options.threads))),
+        # One model_transform at a time (each takes most of its net's peak), the prefill
+        # nets first: their model_deploy is the long step and runs beside the next net's
+        # model_transform.
+        "one_at_a_time": ["transform"],
+        "chain_order": [g["net"] for g in graphs if g["variant"] == "prefill"]
+        + [g["net"] for g in graphs if g["variant"] != "prefill"],
         "work_dir": str(work_dir),
         "out_dir": str(out_dir),
         "bmodel": str(final),

@@ -13,6 +13,7 @@ Standard library only at module level (the verify run imports the toolchain's
 numpy and tpu_mlir): it never imports npuforge.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -160,6 +161,36 @@ def step_chains(steps: list) -> tuple[list, list]:
     return list(chains.values()), tail
 
 
+class _OneAtATime:
+    """Steps of the given stages run one at a time across the nets' chains, the chain
+    listed first going first among those waiting: model_transform's peak is most of a
+    net's (7.6-8.1 GB of an RWKV-7 1.5B chunk's 8-10), so two side by side took twice it,
+    where one beside the other net's model_deploy takes it once."""
+
+    def __init__(self, stages):
+        self.stages = frozenset(stages)
+        self.turns = threading.Condition()
+        self.busy = False
+        self.waiting: list = []
+
+    @contextlib.contextmanager
+    def turn(self, stage: str, rank: int):
+        if stage not in self.stages:
+            yield
+            return
+        with self.turns:
+            self.waiting.append(rank)
+            self.turns.wait_for(lambda: not self.busy and min(self.waiting) == rank)
+            self.waiting.remove(rank)
+            self.busy = True
+        try:
+            yield
+        finally:
+            with self.turns:
+                self.busy = False
+                self.turns.notify_all()
+
+
 class _Steps:
     """Runs the spec's steps, the nets' chains side by side up to ``parallel`` at once.
 
@@ -177,6 +208,8 @@ class _Steps:
         self.started: dict = {}  # index -> monotonic start of a running step
         self.parallel = 1
         self.planned = None  # the step indices this run runs, where not all
+        self.one_at_a_time = _OneAtATime(spec.get("one_at_a_time", ()))
+        self.rank: dict = {}  # step index -> its chain's place in the run order
         self.lock = threading.Lock()
         # {"dir": the compile's store, "root": the staging directory, "keys": {net: key},
         #  "also": the stores of the compile's chunk jobs, where the workflow ran them}
@@ -270,6 +303,10 @@ class _Steps:
         self.store.keep(key, outputs, {"staging": root}, record)
 
     def run_step(self, index: int, step: dict) -> None:
+        with self.one_at_a_time.turn(step.get("stage"), self.rank.get(index, 0)):
+            self._run_step(index, step)
+
+    def _run_step(self, index: int, step: dict) -> None:
         # The tools write to their own logs: say which ones run, for the step's log.
         # Under the lock: print writes the line and its newline apart, so two chains'
         # lines printed at once would run together.
@@ -342,6 +379,11 @@ class _Steps:
             steps = self.spec["steps"]
             chains, tail = [c for c in chains if steps[c[0]]["graph"] in only], []
             self.planned = {index for chain in chains for index in chain}
+        # The chains the spec names first start first (the longest: their last step can
+        # then overlap the others' first).
+        order = {net: place for place, net in enumerate(self.spec.get("chain_order", []))}
+        chains.sort(key=lambda c: order.get(self.spec["steps"][c[0]]["graph"], len(order)))
+        self.rank = {index: place for place, chain in enumerate(chains) for index in chain}
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             for done in [pool.submit(self.run_chain, chain) for chain in chains]:
                 done.result()
