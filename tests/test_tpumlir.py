@@ -803,7 +803,9 @@ def test_job_runs_the_nets_side_by_side_then_combines(tmp_path, capsys):
 def test_transforms_run_one_at_a_time_each_beside_the_other_nets_deploy(tmp_path):
     """model_transform takes most of a net's peak: with ``one_at_a_time`` the second
     net's transform waits for the first's to end, and then runs beside the first net's
-    deploy; ``chain_order`` starts the prefill net first though the spec lists it last."""
+    deploy; ``chain_order`` gives the prefill net the first turn though the spec lists it
+    last and its transform comes after a step of its own (the decode net's is ready
+    first)."""
     ended = tmp_path / "prefill.transformed"
     started = tmp_path / "decode.transforming"
     transform_prefill = (
@@ -828,6 +830,7 @@ def test_transforms_run_one_at_a_time_each_beside_the_other_nets_deploy(tmp_path
         **_side_by_side_spec(tmp_path, [
             step("decode", "transform", transform_decode),
             step("decode", "deploy", "pass"),
+            step("prefill", "calibration", "import time; time.sleep(0.3)"),
             step("prefill", "transform", transform_prefill),
             step("prefill", "deploy", deploy_prefill),
         ]),

@@ -162,16 +162,28 @@ def step_chains(steps: list) -> tuple[list, list]:
 
 
 class _OneAtATime:
-    """Steps of the given stages run one at a time across the nets' chains, the chain
-    listed first going first among those waiting: model_transform's peak is most of a
-    net's (7.6-8.1 GB of an RWKV-7 1.5B chunk's 8-10), so two side by side took twice it,
-    where one beside the other net's model_deploy takes it once."""
+    """Steps of the given stages run one at a time across the nets' chains, in the order
+    of the chains' ranks: model_transform's peak is most of a net's (7.6-8.1 GB of an
+    RWKV-7 1.5B chunk's 8-10), so two side by side took twice it, where one beside the
+    other net's model_deploy takes it once. A chain's turn comes when every chain ranked
+    before it has run its steps of these stages or ended (the pool starts chains in rank
+    order, so the one whose turn it is has started)."""
 
     def __init__(self, stages):
         self.stages = frozenset(stages)
         self.turns = threading.Condition()
         self.busy = False
-        self.waiting: list = []
+        self.pending: dict = {}  # rank -> steps of these stages the chain has yet to run
+
+    def expect(self, rank: int, steps: int) -> None:
+        if steps:
+            self.pending[rank] = steps
+
+    def done(self, rank: int) -> None:
+        """The chain ended (finished, failed or reused): it takes no more turns."""
+        with self.turns:
+            self.pending.pop(rank, None)
+            self.turns.notify_all()
 
     @contextlib.contextmanager
     def turn(self, stage: str, rank: int):
@@ -179,15 +191,16 @@ class _OneAtATime:
             yield
             return
         with self.turns:
-            self.waiting.append(rank)
-            self.turns.wait_for(lambda: not self.busy and min(self.waiting) == rank)
-            self.waiting.remove(rank)
+            self.turns.wait_for(lambda: not self.busy and min(self.pending, default=rank) >= rank)
             self.busy = True
         try:
             yield
         finally:
             with self.turns:
                 self.busy = False
+                left = self.pending.pop(rank, 1) - 1
+                if left > 0:
+                    self.pending[rank] = left
                 self.turns.notify_all()
 
 
@@ -222,6 +235,13 @@ class _Steps:
             self.chunk_stores = [FinishedChunks(d) for d in self.finished.get("also", [])]
 
     def run_chain(self, indices: list) -> None:
+        try:
+            self._run_chain(indices)
+        finally:
+            if indices:
+                self.one_at_a_time.done(self.rank.get(indices[0], 0))
+
+    def _run_chain(self, indices: list) -> None:
         if not indices or self.reuse_chain(indices):
             return
         from finished_chunks import files_in
@@ -384,6 +404,9 @@ class _Steps:
         order = {net: place for place, net in enumerate(self.spec.get("chain_order", []))}
         chains.sort(key=lambda c: order.get(self.spec["steps"][c[0]]["graph"], len(order)))
         self.rank = {index: place for place, chain in enumerate(chains) for index in chain}
+        for place, chain in enumerate(chains):
+            stages = [self.spec["steps"][index].get("stage") for index in chain]
+            self.one_at_a_time.expect(place, sum(s in self.one_at_a_time.stages for s in stages))
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
             for done in [pool.submit(self.run_chain, chain) for chain in chains]:
                 done.result()
