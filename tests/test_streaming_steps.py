@@ -185,9 +185,10 @@ make_calibration_samples({tiny!r}, {warm!r}, samples=2, steps=2, seed=0)
 """
 
 
-def test_calibration_holds_one_chunk_not_the_model(tmp_path):
-    """Peak RSS of capturing 4 samples from a 16-layer float32 export (268 MB of weights)
-    in 1 and in 16 chunks: chunk by chunk, one graph's session is open at a time."""
+def sixteen_layers_and_a_tiny_export(tmp_path) -> tuple:
+    """A 16-layer float32 checkpoint (268 MB of weights) and its bytes, and a tiny model's
+    export in ``tmp_path / "tiny-export"`` (a first run on it loads the lazy imports
+    before a probe counts)."""
     checkpoint, tiny = tmp_path / "ckpt", tmp_path / "tiny"
     weights.write_synthetic_checkpoint(
         checkpoint, layers=16, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
@@ -196,7 +197,13 @@ def test_calibration_holds_one_chunk_not_the_model(tmp_path):
         tiny, layers=2, embed=32, heads=2, kv_heads=2, vocab=64, intermediate=48
     )
     export_llama(tiny, tmp_path / "tiny-export", variant="decode", tokens=1, cache_len=8)
-    model_bytes = 4 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+    return checkpoint, 4 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+
+
+def test_calibration_holds_one_chunk_not_the_model(tmp_path):
+    """Peak RSS of capturing 4 samples from a 16-layer float32 export (268 MB of weights)
+    in 1 and in 16 chunks: chunk by chunk, one graph's session is open at a time."""
+    checkpoint, model_bytes = sixteen_layers_and_a_tiny_export(tmp_path)
     peaks = {}
     for chunks in (1, 16):
         export = tmp_path / f"c{chunks}"
@@ -256,15 +263,7 @@ def test_the_export_check_holds_one_chunk_not_the_model(tmp_path):
     continued by decode ones: one graph's session is open at a time, so the check peaks
     at a fraction of the model (with all chunks open at once it held the whole model:
     7.3 GB at Qwen2.5-1.5B)."""
-    checkpoint, tiny = tmp_path / "ckpt", tmp_path / "tiny"
-    weights.write_synthetic_checkpoint(
-        checkpoint, layers=16, embed=512, heads=8, kv_heads=8, vocab=256, intermediate=2048,
-    )  # fmt: skip
-    weights.write_synthetic_checkpoint(
-        tiny, layers=2, embed=32, heads=2, kv_heads=2, vocab=64, intermediate=48
-    )
-    export_llama(tiny, tmp_path / "tiny-export", variant="decode", tokens=1, cache_len=8)
-    model_bytes = 4 * 16 * (4 * 512 * 512 + 3 * 512 * 2048)
+    checkpoint, model_bytes = sixteen_layers_and_a_tiny_export(tmp_path)
     decode, prefill = tmp_path / "decode", tmp_path / "prefill"
     for variant, out, tokens in (("decode", decode, 1), ("prefill", prefill, 4)):
         export_llama(checkpoint, out, variant=variant, tokens=tokens, chunks=16, cache_len=16)
