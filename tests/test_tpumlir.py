@@ -984,6 +984,25 @@ def test_a_chunks_job_builds_its_nets_only_and_the_compile_takes_them_back(tmp_p
     assert all(step["passed"] for step in ran["steps"])
 
 
+def test_a_transform_waiting_its_turn_never_starts_after_a_failure(tmp_path):
+    def transform(net, code):
+        step = _fake_step(tmp_path, f"{net}:model_transform", code, [], graph=net)
+        return {**step, "stage": "transform"}
+
+    spec = {
+        **_side_by_side_spec(tmp_path, [
+            transform("decode", "import time; time.sleep(0.5); raise ValueError('bad graph')"),
+            transform("prefill", "print('ran')"),
+        ]),
+        "one_at_a_time": ["transform"],
+        "chain_order": ["decode", "prefill"],
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match="decode:model_transform failed: ValueError: bad graph"):
+        job.run(spec)
+    recorded = json.loads((tmp_path / "r.json").read_text())
+    assert [s["name"] for s in recorded["steps"]] == ["decode:model_transform"]
+
+
 def test_a_failing_net_stops_the_job_before_any_later_step(tmp_path):
     started = tmp_path / "prefill_deploy_started"
     spec = _side_by_side_spec(tmp_path, [

@@ -324,7 +324,8 @@ class _Steps:
 
     def run_step(self, index: int, step: dict) -> None:
         with self.one_at_a_time.turn(step.get("stage"), self.rank.get(index, 0)):
-            self._run_step(index, step)
+            if self.failure is None:  # a step failed while this one waited: none starts
+                self._run_step(index, step)
 
     def _run_step(self, index: int, step: dict) -> None:
         # The tools write to their own logs: say which ones run, for the step's log.
