@@ -49,24 +49,19 @@ def read_export(export_dir) -> tuple:
     return Path(export_dir), read_json(meta_path)
 
 
-def run_calls(exports: dict, calls, label: str) -> list:
-    """Each call's logits, one chunk's session at a time; see ``run_chunk_by_chunk``."""
-    from npuforge.runtime import run_chunk_by_chunk
-
-    rows = run_chunk_by_chunk(exports, calls, open_session, label=label)
-    release_memory()
-    return rows
-
-
-def decode_logits(export, tokens, label: str):
-    """``[B, S, V]`` logits of a decode export over ``tokens`` ``[B, S]``, call by call."""
+def run_decode(export, tokens, label: str):
+    """``[B, S, V]`` logits of a decode export over ``tokens`` ``[B, S]``, call by call,
+    one chunk's session at a time (``run_chunk_by_chunk``)."""
     import numpy as np
+
+    from npuforge.runtime import run_chunk_by_chunk
 
     t = int(export[1]["tokens_per_call"])
     if tokens.shape[1] % t:
         raise NpuforgeError(f"sequence length {tokens.shape[1]} is not a multiple of {t}")
     calls = [("decode", tokens[:, i : i + t]) for i in range(0, tokens.shape[1], t)]
-    return np.concatenate(run_calls({"decode": export}, calls, label), axis=1)
+    rows = run_chunk_by_chunk({"decode": export}, calls, open_session, label=label)
+    return np.concatenate(rows, axis=1)
 
 
 def family_reference(family: str, checkpoint, tokens, prefix=()) -> tuple:
@@ -160,9 +155,10 @@ def prefill_then_decode(prefill_dir, decode_dir, tokens, decode_logits) -> dict:
     for start in range(n_prefill, steps):
         calls.append(("decode", tokens[:, start : start + 1]))
         positions.append(start)
-    pieces = run_calls(
-        {"prefill": prefill, "decode": decode}, calls, "prefill graphs, then decode graphs"
-    )
+    from npuforge.runtime import run_chunk_by_chunk
+
+    exports = {"prefill": prefill, "decode": decode}
+    pieces = run_chunk_by_chunk(exports, calls, open_session, label="prefill, then decode")
     combined = np.concatenate(pieces, axis=1)
     figures = compare(combined, decode_logits[:, positions])
     figures.update(
@@ -195,12 +191,12 @@ def verify_export(export_dirs, checkpoint=None, steps=64, reference="auto") -> d
         ref_export = read_export(reference[len("onnx-fp32:") :])
         if ref_export[1]["dtype"] != "fp32" or ref_export[1]["variant"] != "decode":
             raise NpuforgeError(f"{reference}: the reference must be an fp32 decode export")
-        ref_logits = decode_logits(ref_export, tokens, f"reference graphs over {steps} calls")
+        ref_logits = run_decode(ref_export, tokens, f"reference graphs over {steps} calls")
         ref_name = "onnxruntime fp32"
     else:
         raise NpuforgeError(f"--reference {reference!r} is unknown; use auto or onnx-fp32:DIR")
     release_memory()
-    logits = decode_logits(decode, tokens, f"decode graphs over {steps} calls")
+    logits = run_decode(decode, tokens, f"decode graphs over {steps} calls")
 
     report = compare(logits, ref_logits)
     report.update(

@@ -203,8 +203,8 @@ def test_the_export_check_chunk_by_chunk_gives_the_call_by_call_logits(tmp_path)
     decode graphs chunked otherwise, gives a GraphChain's call-by-call logits exactly."""
     import numpy as np
 
-    from npuforge.runtime import GraphChain
-    from npuforge.verify import decode_logits, read_export, run_calls
+    from npuforge.runtime import GraphChain, run_chunk_by_chunk
+    from npuforge.verify import open_session, read_export, run_decode
 
     checkpoint = tmp_path / "ckpt"
     weights.write_synthetic_checkpoint(
@@ -217,7 +217,7 @@ def test_the_export_check_chunk_by_chunk_gives_the_call_by_call_logits(tmp_path)
     tokens = np.random.default_rng(1).integers(0, 200, size=(1, 10))
     decode = GraphChain(tmp_path / "d")
     want = decode.run(tokens)
-    got = decode_logits(read_export(tmp_path / "d"), tokens, "decode graphs")
+    got = run_decode(read_export(tmp_path / "d"), tokens, "decode graphs")
     assert np.array_equal(got, want)
 
     prefill = GraphChain(tmp_path / "p")
@@ -228,7 +228,7 @@ def test_the_export_check_chunk_by_chunk_gives_the_call_by_call_logits(tmp_path)
     calls = [("prefill", tokens[:, :4]), ("prefill", tokens[:, 4:8])]
     calls += [("decode", tokens[:, 8:9]), ("decode", tokens[:, 9:10])]
     exports = {"prefill": read_export(tmp_path / "p"), "decode": read_export(tmp_path / "d")}
-    for got, want in zip(run_calls(exports, calls, "graphs"), pieces, strict=True):
+    for got, want in zip(run_chunk_by_chunk(exports, calls, open_session), pieces, strict=True):
         assert np.array_equal(got, want)
 
 

@@ -13,7 +13,6 @@ Standard library only at module level (the verify run imports the toolchain's
 numpy and tpu_mlir): it never imports npuforge.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ from pathlib import Path
 # Sibling modules: this script is also loaded by path, without its directory on the path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from job_estimates import calls_left, time_left  # noqa: E402
+from job_turns import OneAtATime  # noqa: E402
 
 # npz_tool's per-tensor line: "[name   ]      SIMILAR [PASSED]".
 _TENSOR_LINE = re.compile(
@@ -161,49 +161,6 @@ def step_chains(steps: list) -> tuple[list, list]:
     return list(chains.values()), tail
 
 
-class _OneAtATime:
-    """Steps of the given stages run one at a time across the nets' chains, in the order
-    of the chains' ranks: model_transform's peak is most of a net's (7.6-8.1 GB of an
-    RWKV-7 1.5B chunk's 8-10), so two side by side took twice it, where one beside the
-    other net's model_deploy takes it once. A chain's turn comes when every chain ranked
-    before it has run its steps of these stages or ended (the pool starts chains in rank
-    order, so the one whose turn it is has started)."""
-
-    def __init__(self, stages):
-        self.stages = frozenset(stages)
-        self.turns = threading.Condition()
-        self.busy = False
-        self.pending: dict = {}  # rank -> steps of these stages the chain has yet to run
-
-    def expect(self, rank: int, steps: int) -> None:
-        if steps:
-            self.pending[rank] = steps
-
-    def done(self, rank: int) -> None:
-        """The chain ended (finished, failed or reused): it takes no more turns."""
-        with self.turns:
-            self.pending.pop(rank, None)
-            self.turns.notify_all()
-
-    @contextlib.contextmanager
-    def turn(self, stage: str, rank: int):
-        if stage not in self.stages:
-            yield
-            return
-        with self.turns:
-            self.turns.wait_for(lambda: not self.busy and min(self.pending, default=rank) >= rank)
-            self.busy = True
-        try:
-            yield
-        finally:
-            with self.turns:
-                self.busy = False
-                left = self.pending.pop(rank, 1) - 1
-                if left > 0:
-                    self.pending[rank] = left
-                self.turns.notify_all()
-
-
 class _Steps:
     """Runs the spec's steps, the nets' chains side by side up to ``parallel`` at once.
 
@@ -221,7 +178,7 @@ class _Steps:
         self.started: dict = {}  # index -> monotonic start of a running step
         self.parallel = 1
         self.planned = None  # the step indices this run runs, where not all
-        self.one_at_a_time = _OneAtATime(spec.get("one_at_a_time", ()))
+        self.one_at_a_time = OneAtATime(spec.get("one_at_a_time", ()))
         self.rank: dict = {}  # step index -> its chain's place in the run order
         self.lock = threading.Lock()
         # {"dir": the compile's store, "root": the staging directory, "keys": {net: key},
@@ -238,8 +195,8 @@ class _Steps:
         try:
             self._run_chain(indices)
         finally:
-            if indices:
-                self.one_at_a_time.done(self.rank.get(indices[0], 0))
+            if indices and indices[0] in self.rank:  # a net's chain, not the combine
+                self.one_at_a_time.done(self.rank[indices[0]])
 
     def _run_chain(self, indices: list) -> None:
         if not indices or self.reuse_chain(indices):
