@@ -12,6 +12,8 @@ prints, per model, every step the build ran:
   step MB      peak RSS of the step's own process
   child MB     peak total RSS of the processes the step ran (its toolchain jobs),
                sampled every 0.5 s
+  together MB  peak total RSS of the step and those processes at one moment (sampled;
+               "–" in logs from before it was recorded, where step + child MB bounds it)
   written      bytes of the step's outputs on disk: a file hard-linked from an earlier
                step's output (an onnx compile's graphs, a bundle's binaries) counts there
 
@@ -243,7 +245,14 @@ def stages(rows: list[dict]) -> dict[str, dict]:
     for row in rows:
         stage = merged.setdefault(
             stage_of(row),
-            {"seconds": 0.0, "cpu_seconds": 0.0, "step_rss_mb": 0, "child_rss_mb": 0, "written": 0},
+            {
+                "seconds": 0.0,
+                "cpu_seconds": 0.0,
+                "step_rss_mb": 0,
+                "child_rss_mb": 0,
+                "together_rss_mb": 0,
+                "written": 0,
+            },
         )
         stage["seconds"] += row["seconds"]
         # Unknown (a log from before the CPU figure) if any of its jobs' is.
@@ -254,6 +263,10 @@ def stages(rows: list[dict]) -> dict[str, dict]:
         stage["written"] += row["written"]
         stage["step_rss_mb"] = max(stage["step_rss_mb"], row["step_rss_mb"])
         stage["child_rss_mb"] = max(stage["child_rss_mb"], row["child_rss_mb"])
+        if stage["together_rss_mb"] is not None and row.get("together_rss_mb") is not None:
+            stage["together_rss_mb"] = max(stage["together_rss_mb"], row["together_rss_mb"])
+        else:
+            stage["together_rss_mb"] = None
     return merged
 
 
@@ -264,9 +277,10 @@ def cpu_figure(stage: dict):
 
 
 def peak_mb(stage: dict) -> int:
-    """The job's memory: the step and the processes it ran are resident together (the
-    step waits on its toolchain job)."""
-    return stage["step_rss_mb"] + stage["child_rss_mb"]
+    """The job's memory: the sampled peak of the step and the processes it ran together,
+    or, in logs from before it was recorded, the sum of their peaks (an upper bound)."""
+    together = stage.get("together_rss_mb")
+    return together if together is not None else stage["step_rss_mb"] + stage["child_rss_mb"]
 
 
 def exponent(small, large, params_small: int, params_large: int) -> str:
@@ -288,11 +302,13 @@ def model_table(rows: list[dict]) -> str:
             "–" if r.get("cpu_seconds") is None else f"{r['cpu_seconds']:.1f}",
             r["step_rss_mb"],
             r["child_rss_mb"],
+            "–" if r.get("together_rss_mb") is None else r["together_rss_mb"],
             f"{r['written'] / 1e6:.1f} MB",
         )
         for r in rows
     ]
-    return table(("step", "job", "wall s", "CPU s", "step MB", "child MB", "written"), body)
+    header = ("step", "job", "wall s", "CPU s", "step MB", "child MB", "together MB", "written")
+    return table(header, body)
 
 
 def growth_table(measured: list[tuple[str, int, dict]]) -> str:
@@ -358,6 +374,7 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
                         "CPU s": cpu_figure(figures),
                         "step MB": figures["step_rss_mb"],
                         "processes MB": figures["child_rss_mb"],
+                        "together MB": figures.get("together_rss_mb"),
                         "written MB": round(figures["written"] / 1e6, 1),
                     },
                     "date": measurements.today(),
@@ -415,6 +432,9 @@ def recorded_stages(path: Path, model: str) -> dict:
             "cpu_seconds": None if figures.get("CPU s") is None else float(figures["CPU s"]),
             "step_rss_mb": int(figures["step MB"]),
             "child_rss_mb": int(figures["processes MB"]),
+            "together_rss_mb": (
+                None if figures.get("together MB") is None else int(figures["together MB"])
+            ),
             "written": float(figures["written MB"]) * 1e6,
         }
     return found

@@ -110,15 +110,18 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-class ChildrenPeak:
-    """The largest total resident memory of a process's descendants (its toolchain
-    jobs and what they start), sampled every ``interval`` seconds on a thread. A
+class MemoryPeaks:
+    """Peak resident memory sampled every ``interval`` seconds on a thread: ``children``,
+    the largest total of a process's descendants (its toolchain jobs and what they
+    start), and ``together``, the largest total of the process and its descendants at
+    one moment (what the host had to hold, where the two peaks need not coincide). A
     container's processes belong to its engine, not to the step, and are not counted."""
 
     def __init__(self, interval: float = 0.5):
         import threading
 
-        self.peak = 0
+        self.children = 0
+        self.together = 0
         self._interval = interval
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -134,17 +137,19 @@ class ChildrenPeak:
     def _sample(self):
         pid = os.getpid()
         while not self._done.wait(self._interval):
-            total = sum(_resident_bytes(child) for child in _descendants(pid))
-            self.peak = max(self.peak, total)
+            children = sum(_resident_bytes(child) for child in _descendants(pid))
+            self.children = max(self.children, children)
+            self.together = max(self.together, children + _resident_bytes(pid))
 
 
-def resources_line(started: float, children_peak: int, failed: bool = False) -> str:
+def resources_line(started: float, peaks: MemoryPeaks, failed: bool = False) -> str:
     """What the step used, for its log (bench/bench_scale.py reads it): wall seconds, CPU
     seconds (the step's and those of the processes it ran and waited for: a container's
     processes belong to its engine and are not counted), the peak resident memory of
-    the step's own process and the largest sampled total of the processes it ran;
-    ``failed``: the form a failed step writes before its error. CPU seconds barely move
-    when other work shares the host; wall seconds do."""
+    the step's own process, the largest sampled total of the processes it ran, and the
+    largest of the two together (sampled; never below either peak alone); ``failed``:
+    the form a failed step writes before its error. CPU seconds barely move when other
+    work shares the host; wall seconds do."""
     import resource
     import time
 
@@ -153,10 +158,12 @@ def resources_line(started: float, children_peak: int, failed: bool = False) -> 
     )
     usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(usage.ru_utime + usage.ru_stime for usage in usages)
+    together = max(peaks.together, own, peaks.children)
     return (
         f"{FAILED_STEP_RESOURCES if failed else STEP_RESOURCES} "
         f"{time.monotonic() - started:.1f} s wall, {cpu:.1f} s CPU, peak RSS "
-        f"{own / 2**20:.0f} MB (step), {children_peak / 2**20:.0f} MB (processes it ran)"
+        f"{own / 2**20:.0f} MB (step), {peaks.children / 2**20:.0f} MB (processes it ran), "
+        f"{together / 2**20:.0f} MB (together)"
     )
 
 
@@ -168,26 +175,28 @@ FAILED_STEP_RESOURCES = "step resources (failed):"
 
 
 def read_step_resources(log_text: str, failed: bool = False) -> dict | None:
-    """The figures of a log's last resources line: ``seconds``, ``cpu_seconds`` (None in
-    lines written before it was), ``step_rss_mb`` and ``child_rss_mb``; None if the step
-    did not finish (``failed``: if it did not fail). Reads the first form's lines too
-    ("largest process it ran", getrusage's peak of one child)."""
+    """The figures of a log's last resources line: ``seconds``, ``cpu_seconds``,
+    ``step_rss_mb``, ``child_rss_mb`` and ``together_rss_mb`` (the CPU and together
+    figures None in lines written before they were); None if the step did not finish
+    (``failed``: if it did not fail). Reads the first form's lines too ("largest process
+    it ran", getrusage's peak of one child)."""
     import re
 
     pattern = (
         re.escape(FAILED_STEP_RESOURCES if failed else STEP_RESOURCES)
         + r" ([\d.]+) s wall, (?:([\d.]+) s CPU, )?peak RSS (\d+) MB \(step\), "
-        r"(\d+) MB \((?:processes it ran|largest process it ran)\)"
+        r"(\d+) MB \((?:processes it ran|largest process it ran)\)(?:, (\d+) MB \(together\))?"
     )
     found = re.findall(pattern, log_text)
     if not found:
         return None
-    seconds, cpu, own, child = found[-1]
+    seconds, cpu, own, child, together = found[-1]
     return {
         "seconds": float(seconds),
         "cpu_seconds": float(cpu) if cpu else None,
         "step_rss_mb": int(own),
         "child_rss_mb": int(child),
+        "together_rss_mb": int(together) if together else None,
     }
 
 
@@ -197,16 +206,16 @@ def _run_main(main, argv) -> int:
     from npuforge.progress import Heartbeat
 
     started = time.monotonic()
-    children = ChildrenPeak()
+    peaks = MemoryPeaks()
 
     def failed_after_work(out_of_memory: bool = False) -> None:
         # What a failed toolchain job (or an exhausted step) had used; input refused
         # before any process ran stays one error line.
-        if children.peak or out_of_memory:
-            print(resources_line(started, children.peak, failed=True), file=sys.stderr)
+        if peaks.children or out_of_memory:
+            print(resources_line(started, peaks, failed=True), file=sys.stderr)
 
     try:
-        with children, Heartbeat():
+        with peaks, Heartbeat():
             main(argv)
     except NpuforgeError as err:
         failed_after_work()
@@ -225,5 +234,5 @@ def _run_main(main, argv) -> int:
             raise
         where = f"{refused.filename}: " if refused.filename else ""
         return fail(f"{where}{refused.strerror}; {OS_FIXES[refused.errno]}")
-    print(resources_line(started, children.peak), file=sys.stderr)
+    print(resources_line(started, peaks), file=sys.stderr)
     return 0

@@ -10,14 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_scale  # noqa: E402
 
 
-def finished_step(results: Path, log: str, seconds, rss_mb, child_mb, cpu=None):
-    """A step's log; ``cpu``: its CPU seconds, else the line of logs from before them."""
+def finished_step(results: Path, log: str, seconds, rss_mb, child_mb, cpu=None, together=None):
+    """A step's log; ``cpu`` and ``together``: its CPU seconds and sampled peak of the
+    step and its processes together, else the line of logs from before them."""
     path = results / "logs" / log
     path.parent.mkdir(parents=True, exist_ok=True)
     used = f"{seconds} s wall, " + ("" if cpu is None else f"{cpu} s CPU, ")
+    both = "" if together is None else f", {together} MB (together)"
     path.write_text(
         f"progress\nstep resources: {used}peak RSS {rss_mb} MB (step), {child_mb} MB "
-        "(processes it ran)\n"
+        f"(processes it ran){both}\n"
     )
 
 
@@ -28,10 +30,10 @@ def fake_build(results: Path, model: str, scale: int):
     finished_step(results, f"{export}/decode-a.log", 10.0 * scale, 100 * scale, 0, 8.0 * scale)
     finished_step(results, f"{export}/prefill-b.log", 5.0 * scale, 300 * scale, 0, 4.0 * scale)
     # The larger compile shared the host: its wall time grew as the square, its CPU time
-    # linearly.
+    # linearly. The step's and its processes' peaks came at different moments.
     finished_step(
         results, f"compile/{model}/RK3588/fp16.log", 60.0 * scale**2, 200 * scale, 900 * scale,
-        50.0 * scale,
+        50.0 * scale, together=1000 * scale,
     )  # fmt: skip
     # A TPU-MLIR build's chunk jobs: one stage per build, their times added.
     for chunk in (0, 1):
@@ -66,6 +68,8 @@ def test_steps_are_read_merged_per_stage_and_their_growth_is_an_exponent(tmp_pat
     # Export keys add up in time and take the larger peak.
     assert merged["export"]["seconds"] == 15.0 and bench_scale.peak_mb(merged["export"]) == 300
     assert merged["export"]["cpu_seconds"] == 12.0
+    # The sampled peak of the two together where the log has it, else their sum (a bound).
+    assert bench_scale.peak_mb(merged["compile RK3588/fp16"]) == 1000
     assert bench_scale.peak_mb(merged["compile SM8650/a16w8 (failed)"]) == 5090
     chunks = merged["compile-chunk BM1684X/f16"]
     assert chunks["seconds"] == 60.0 and bench_scale.peak_mb(chunks) == 450

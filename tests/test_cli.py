@@ -12,10 +12,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A step whose toolchain job (a child process) holds 300 MB for 1.5 s, then exits 0 or
 # raises.
 STEP = """
-import subprocess, sys
+import subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 from npuforge.cli import run_cli
 from npuforge.errors import NpuforgeError
+
+HOLD = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * (300 << 8); time.sleep(1.5)"
+
+def touched(megabytes):
+    block = bytearray(megabytes << 20)
+    block[::4096] = b"x" * (megabytes << 8)
+    return block
 
 def main(argv):
     if argv == ["refuse"]:
@@ -23,11 +30,16 @@ def main(argv):
     if argv == ["spin"]:  # a child that burns 0.6 s of CPU, then a step that sleeps 1 s
         spin = "import time; exec('while time.process_time() < 0.6: pass')"
         subprocess.run([sys.executable, "-c", spin], check=True)
-        import time
         time.sleep(1.0)
         return
-    hold = "import time; b = bytearray(300 << 20); b[::4096] = b'x' * (300 << 8); time.sleep(1.5)"
-    subprocess.run([sys.executable, "-c", hold], check=True)
+    if argv == ["overlap"]:  # the step's own 400 MB while its child holds 300 MB
+        mine = touched(400)
+        subprocess.run([sys.executable, "-c", HOLD], check=True)
+        return
+    subprocess.run([sys.executable, "-c", HOLD], check=True)
+    if argv == ["apart"]:  # the step's own 400 MB after its child is gone
+        mine = touched(400)
+        time.sleep(1.5)
     if argv == ["fail"]:
         raise NpuforgeError("the input is bad; fix it")
 
@@ -82,6 +94,18 @@ def test_the_resources_line_counts_the_cpu_time_of_the_processes_the_step_ran():
     assert figures["seconds"] - figures["cpu_seconds"] >= 0.5, figures
 
 
+def test_the_resources_line_says_what_the_step_and_its_processes_held_at_once():
+    """The step's and its processes' peaks are each measured alone; whether they add up
+    depends on when they came (a compile holding its reference logits while its
+    toolchain runs, or not): the together figure says which."""
+    overlap, apart = (read_step_resources(run_step(when).stderr) for when in ("overlap", "apart"))
+    for figures in (overlap, apart):
+        assert figures["step_rss_mb"] >= 400 and figures["child_rss_mb"] >= 300, figures
+    assert overlap["together_rss_mb"] >= 700, overlap
+    assert apart["together_rss_mb"] < 600, apart
+    assert apart["together_rss_mb"] >= apart["step_rss_mb"], apart
+
+
 def test_a_resources_line_without_cpu_seconds_still_reads():
     line = "step resources: 12.5 s wall, peak RSS 90 MB (step), 5000 MB (processes it ran)"
     assert read_step_resources(line) == {
@@ -89,4 +113,5 @@ def test_a_resources_line_without_cpu_seconds_still_reads():
         "cpu_seconds": None,
         "step_rss_mb": 90,
         "child_rss_mb": 5000,
+        "together_rss_mb": None,
     }
