@@ -48,6 +48,7 @@ from npuforge.backends import (
     tpumlir_inputs,
     tpumlir_record,
     tpumlir_run,
+    tpumlir_spec,
 )
 from npuforge.backends.bmodel import pin_build_time
 from npuforge.errors import NpuforgeError
@@ -121,8 +122,8 @@ def _spec(export_dirs, chip, precision, tmp_path, work="work", **fields) -> dict
     """build_spec for these exports (no verification calls): the job's build steps."""
     request = _request(export_dirs, chip, precision, tmp_path, **fields)
     exports = base.load_exports(request.exports, "tpumlir")
-    feeds = tpumlir.net_test_feeds(request, exports)
-    return tpumlir.build_spec(request, exports, tmp_path / "out", tmp_path / work, feeds)
+    feeds = tpumlir_spec.net_test_feeds(request, exports)
+    return tpumlir_spec.build_spec(request, exports, tmp_path / "out", tmp_path / work, feeds)
 
 
 # ---------------------------------------------------------------- command lines
@@ -137,7 +138,7 @@ def test_transform_command_has_static_shapes_and_test_files():
         {"name": "tokens", "shape": [1, 1], "dtype": "int64"},
         {"name": "state_0_wkv", "shape": [1, 2, 64, 64], "dtype": "float32"},
     ]
-    argv = tpumlir.transform_command(
+    argv = tpumlir_commands.transform_command(
         "decode", "/e/chunk0.onnx", inputs, "/w/in.npz", "/w/top.npz", "/w/d.mlir"
     )
     assert argv[0] == "model_transform.py"
@@ -156,7 +157,7 @@ def test_transform_command_has_static_shapes_and_test_files():
 
 def test_transform_refuses_dtypes_tpumlir_cannot_take():
     with pytest.raises(NpuforgeError, match="dtype bool"):
-        tpumlir.transform_command(
+        tpumlir_commands.transform_command(
             "d", "m.onnx", [{"name": "mask", "shape": [1], "dtype": "bool"}], "i", "r", "m"
         )
 
@@ -166,7 +167,7 @@ def test_transform_refuses_dtypes_tpumlir_cannot_take():
 def test_deploy_command_per_chip_and_precision(chip, precision):
     quantize = tpumlir.quantize_mode(precision)
     table = "/w/cali_table" if precision == "int8" else None
-    argv = tpumlir.deploy_command(
+    argv = tpumlir_commands.deploy_command(
         "/w/d.mlir",
         quantize,
         chip,
@@ -217,11 +218,13 @@ def test_tolerance_per_precision_with_tpumlir_defaults():
 
 def test_int8_without_calibration_table_is_refused():
     with pytest.raises(NpuforgeError, match="calibration"):
-        tpumlir.deploy_command("m", "INT8", "bm1684x", "i", "r", "0.99,0.9", "o")
+        tpumlir_commands.deploy_command("m", "INT8", "bm1684x", "i", "r", "0.99,0.9", "o")
 
 
 def test_calibration_and_combine_commands():
-    assert tpumlir.calibration_command("/w/d.mlir", "/w/list.txt", 8, "bm1688", "/w/t") == [
+    assert tpumlir_commands.calibration_command(
+        "/w/d.mlir", "/w/list.txt", 8, "bm1688", "/w/t"
+    ) == [
         "run_calibration.py",
         "/w/d.mlir",
         "--data_list",
@@ -235,9 +238,13 @@ def test_calibration_and_combine_commands():
         "-o",
         "/w/t",
     ]
-    maxed = tpumlir.calibration_command("/w/d.mlir", "/w/l.txt", 8, "bm1688", "/w/t", "max")
+    maxed = tpumlir_commands.calibration_command(
+        "/w/d.mlir", "/w/l.txt", 8, "bm1688", "/w/t", "max"
+    )
     assert maxed[maxed.index("--cali_method") + 1] == "max"
-    assert tpumlir.combine_command(["/w/decode.bmodel", "/w/prefill.bmodel"], "/o/m.bmodel") == [
+    assert tpumlir_commands.combine_command(
+        ["/w/decode.bmodel", "/w/prefill.bmodel"], "/o/m.bmodel"
+    ) == [
         "model_tool",
         "--combine",
         "/w/decode.bmodel",
@@ -264,7 +271,7 @@ def _write_calibration(root: Path, exports_root: Path, samples=3) -> list[Path]:
     chunk{i}/ one .npz per sample."""
     rng = np.random.default_rng(1)
     for variant in ("decode", "prefill"):
-        inputs = tpumlir.graph_inputs(exports_root / variant / "chunk0.onnx")
+        inputs = tpumlir_inputs.graph_inputs(exports_root / variant / "chunk0.onnx")
         folder = root / variant / "chunk0"
         folder.mkdir(parents=True, exist_ok=True)
         for j in range(samples):
@@ -303,7 +310,7 @@ def test_spec_inputs_for_each_chip_and_precision(exports, tmp_path, chip, precis
         "model_tool:combine"
     ]
     for graph in ("decode", "prefill"):
-        onnx_inputs = tpumlir.graph_inputs(exports / graph / "chunk0.onnx")
+        onnx_inputs = tpumlir_inputs.graph_inputs(exports / graph / "chunk0.onnx")
         transform = next(s for s in spec["steps"] if s["name"] == f"{graph}:model_transform")
         pairs = dict(zip(transform["argv"][1::2], transform["argv"][2::2], strict=True))
         assert pairs["--input_shapes"] == tpumlir_commands.shapes_arg(
@@ -374,8 +381,10 @@ def test_a_chunked_export_is_one_net_per_chunk_handing_its_hidden_state_on(
     schedule = base.verification_schedule(loaded, PREFILL_TOKENS + 3)
     ids = base.verification_tokens(PREFILL_TOKENS + 3, loaded["decode"])["ids"]
     calls = base.write_call_feeds(loaded, schedule, ids, tmp_path)
-    feeds = tpumlir.net_test_feeds(request, loaded)
-    spec = tpumlir.build_spec(request, loaded, tmp_path / "out", tmp_path / "work", feeds, calls)
+    feeds = tpumlir_spec.net_test_feeds(request, loaded)
+    spec = tpumlir_spec.build_spec(
+        request, loaded, tmp_path / "out", tmp_path / "work", feeds, calls
+    )
     nets = ["decode_0", "decode_1", "prefill_0", "prefill_1"]
     assert [g["net"] for g in spec["graphs"]] == nets
     assert [s["name"] for s in spec["steps"]] == [
@@ -418,7 +427,7 @@ def test_each_net_is_keyed_by_what_its_chain_reads_wherever_it_is_staged(chunked
             with np.load(test_input) as data:
                 arrays = {name: data[name] * 2 for name in data.files}
             np.savez(test_input, **arrays)
-        return tpumlir.finished_nets(spec, store, staging)["keys"]
+        return tpumlir_run.finished_nets(spec, store, staging)["keys"]
 
     first = keys(tmp_path / "a")
     assert sorted(first) == ["decode_0", "decode_1", "prefill_0", "prefill_1"]
@@ -459,7 +468,7 @@ def test_state_path_ops_are_the_recurrence_each_token_repeats(exports):
     for graph, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
         path = exports / graph / "chunk0.onnx"
         inputs = json.loads((exports / graph / "export.json").read_text())["graphs"][0]["inputs"]
-        names = tpumlir.state_path_ops(path, inputs)
+        names = tpumlir_inputs.state_path_ops(path, inputs)
         nodes = {n.output[0]: n.op_type for n in onnx.load(str(path)).graph.node}
         assert all(name.rsplit("_", 1)[0] in nodes for name in names)
         assert all(nodes[name.rsplit("_", 1)[0]] == name.rsplit("_", 1)[1] for name in names)
@@ -467,7 +476,7 @@ def test_state_path_ops_are_the_recurrence_each_token_repeats(exports):
         assert len(names) == 2 * tokens * 5
         assert any(name.startswith("state_1_wkv_out_") for name in names)
         assert not any("shift" in name for name in names)
-    assert tpumlir.state_path_ops(path, [i for i in inputs if i["role"] != "state"]) == []
+    assert tpumlir_inputs.state_path_ops(path, [i for i in inputs if i["role"] != "state"]) == []
 
 
 def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_path):
@@ -481,10 +490,10 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     weighted = [n for n in graph.node if n.op_type == "MatMul" and set(n.input) & weights]
     ops = [n for n in graph.node if n.op_type != "Constant"]
     assert weighted
-    names = tpumlir.ops_but_weight_matmuls(path)
+    names = tpumlir_inputs.ops_but_weight_matmuls(path)
     assert len(names) == sum(len(n.output) for n in ops) - len(weighted)
     assert not any(f"{n.output[0]}_MatMul" in names for n in weighted)
-    head = tpumlir.ops_but_weight_matmuls(path, also_named=[weighted[-1].name])
+    head = tpumlir_inputs.ops_but_weight_matmuls(path, also_named=[weighted[-1].name])
     assert sorted(set(head) - set(names)) == [f"{weighted[-1].output[0]}_MatMul"]
 
     assert "int8_weight_matmuls_only: true" in tpumlir.gate_hint("int8")
@@ -508,7 +517,7 @@ def test_int8_with_weight_matmuls_only_keeps_every_other_op_f16(exports, tmp_pat
     pairs = dict(zip(deploy["argv"][1::2], deploy["argv"][2::2], strict=True))
     table = dict(line.split() for line in Path(pairs["--quantize_table"]).read_text().splitlines())
     inputs = json.loads((exports / "decode" / "export.json").read_text())["graphs"][0]["inputs"]
-    recurrence = tpumlir.state_path_ops(path, inputs)
+    recurrence = tpumlir_inputs.state_path_ops(path, inputs)
     assert set(table) == set(names) | set(recurrence)
     assert {table[name] for name in recurrence} == {"BF16"}
     assert {table[name] for name in set(names) - set(recurrence)} == {"F16"}
@@ -1390,13 +1399,13 @@ def test_unavailable_reason_names_the_missing_python(tmp_path):
 def test_native_python_is_named_by_option_then_environment(monkeypatch):
     monkeypatch.setenv("PYTHON310", "/opt/py310/bin/python3.10")
     named = _options("bm1684x", python="/srv/python3.10")
-    assert tpumlir.native_python(named) == "/srv/python3.10"
-    assert tpumlir.native_python(_options("bm1684x")) == "/opt/py310/bin/python3.10"
+    assert tpumlir_env.native_python(named) == "/srv/python3.10"
+    assert tpumlir_env.native_python(_options("bm1684x")) == "/opt/py310/bin/python3.10"
 
 
 def _python310():
     try:
-        python = tpumlir.native_python(_options("bm1684x"))
+        python = tpumlir_env.native_python(_options("bm1684x"))
     except NpuforgeError:
         return None
     return python if tpumlir_env._python_version(python) == "3.10" else None
@@ -1416,7 +1425,7 @@ def test_image_takes_the_native_routes_cpython_without_its_packages_or_bytecode(
     python = _python310()
     if python is None:
         pytest.skip("no CPython 3.10 on this machine: the image has no interpreter to copy")
-    named, labels = tpumlir.image_build_contexts(_options("bm1684x"), tmp_path / "a")
+    named, labels = tpumlir_env.image_build_contexts(_options("bm1684x"), tmp_path / "a")
     prefix = named["python310"]
     assert (prefix / "bin" / "python3.10").is_file()
     assert (prefix / "lib" / "python3.10" / "os.py").is_file()
@@ -1432,7 +1441,7 @@ def test_image_takes_the_native_routes_cpython_without_its_packages_or_bytecode(
     ).stdout.strip()
     assert labels["npuforge.python310.version"] == version
     # The tree hash names the copy: the same interpreter staged again gives the same one.
-    _, again = tpumlir.image_build_contexts(_options("bm1684x"), tmp_path / "b")
+    _, again = tpumlir_env.image_build_contexts(_options("bm1684x"), tmp_path / "b")
     assert again == labels and len(labels["npuforge.python310.sha256"]) == 64
 
 
@@ -1508,8 +1517,8 @@ def test_flags_exist_in_the_real_tools(tmp_path, toolchain_python):
     python = toolchain_python
     inputs = [{"name": "tokens", "shape": [1, 1], "dtype": "int64"}]
     ours = {
-        "model_transform.py": tpumlir.transform_command("d", "m", inputs, "i", "r", "m"),
-        "model_deploy.py": tpumlir.deploy_command(
+        "model_transform.py": tpumlir_commands.transform_command("d", "m", inputs, "i", "r", "m"),
+        "model_deploy.py": tpumlir_commands.deploy_command(
             "m", "W4F16", "bm1688", "i", "r", "0.99,0.9", "o", calibration_table="t"
         ),
     }
@@ -1635,7 +1644,7 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
     def deploy_step(net, quantize, tolerance, root=tmp_path):
         d = root / net
         bmodel = d / f"{net}_{quantize}.bmodel"
-        argv = tpumlir.deploy_command(
+        argv = tpumlir_commands.deploy_command(
             d / f"{net}.mlir",
             quantize,
             "bm1684x",
@@ -1665,7 +1674,7 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
             "graph": None,
             "stage": "combine",
             "cwd": str(tmp_path),
-            "argv": tpumlir.combine_command(bmodels, combined),
+            "argv": tpumlir_commands.combine_command(bmodels, combined),
             "expects": [str(combined)],
         }
     )
@@ -1738,7 +1747,7 @@ def test_real_deploy_gate_and_combine(tmp_path, toolchain_python):
     for net in nets:
         shutil.copytree(tmp_path / net, there / net, ignore=shutil.ignore_patterns("*.bmodel"))
     steps_there = [deploy_step(net, "F16", "0.99,0.90", there)[1] for net in nets]
-    steps_there.append({**steps[2], "cwd": str(there), "argv": tpumlir.combine_command(
+    steps_there.append({**steps[2], "cwd": str(there), "argv": tpumlir_commands.combine_command(
         [there / net / b.name for net, b in zip(nets, bmodels, strict=True)], there / "c.bmodel"
     ), "expects": [str(there / "c.bmodel")]})  # fmt: skip
     chunk_store = tmp_path / "chunk-store"
