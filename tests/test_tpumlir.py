@@ -67,6 +67,7 @@ def _load_job_module():
 
 
 job = _load_job_module()
+import job_estimates  # noqa: E402 - the job's sibling, on the path once the job is loaded
 
 
 def _run(script, *args):
@@ -892,36 +893,36 @@ def test_the_time_left_is_judged_by_finished_steps_of_the_same_kind():
     ]  # fmt: skip
     passed = {"passed": True}
     # Nothing finished: nothing to judge a net's step by.
-    assert job.time_left(steps, {}, {}, 1) is None
+    assert job_estimates.time_left(steps, {}, {}, 1) is None
     records = {0: {**passed, "seconds": 10.0}, 1: {**passed, "seconds": 30.0}}
     # decode_1 as decode_0 took (40 s); the prefill nets by their stages in any variant
     # (2 x 40 s) until a prefill step finishes; the combine has nothing to go by.
-    assert job.time_left(steps, records, {}, 1) == (120.0, ["combine"])
+    assert job_estimates.time_left(steps, records, {}, 1) == (120.0, ["combine"])
     # A running step counts what it has still to run; a failed step is no measure.
-    assert job.time_left(steps, records, {2: 4.0}, 1) == (116.0, ["combine"])
-    assert job.time_left(steps, {**records, 2: {"passed": False, "seconds": 1.0}}, {}, 1)
+    assert job_estimates.time_left(steps, records, {2: 4.0}, 1) == (116.0, ["combine"])
+    assert job_estimates.time_left(steps, {**records, 2: {"passed": False, "seconds": 1.0}}, {}, 1)
     # Finished prefill steps judge the prefill nets; two nets at a time halve the chains.
     records.update({4: {**passed, "seconds": 100.0}, 5: {**passed, "seconds": 300.0}})
-    assert job.time_left(steps, records, {}, 1) == (440.0, ["combine"])
-    assert job.time_left(steps, records, {}, 2) == (220.0, ["combine"])
+    assert job_estimates.time_left(steps, records, {}, 1) == (440.0, ["combine"])
+    assert job_estimates.time_left(steps, records, {}, 2) == (220.0, ["combine"])
     records.update({2: {**passed, "seconds": 10.0}, 3: {**passed, "seconds": 30.0}})
     records.update({6: {**passed, "seconds": 100.0}})
-    assert job.time_left(steps, records, {7: 100.0}, 2) == (200.0, ["combine"])
+    assert job_estimates.time_left(steps, records, {7: 100.0}, 2) == (200.0, ["combine"])
     # Only what nothing judges is left: no figure (the combine is no "0 s left").
     records.update({7: {**passed, "seconds": 300.0}})
-    assert job.time_left(steps, records, {}, 2) is None
+    assert job_estimates.time_left(steps, records, {}, 2) is None
     # A chunk's job runs its nets only: the other nets and the combine are not its time.
     records = {0: {**passed, "seconds": 10.0}, 1: {**passed, "seconds": 30.0}}
-    assert job.time_left(steps, records, {}, 2, planned={0, 1, 4, 5}) == (40.0, [])
+    assert job_estimates.time_left(steps, records, {}, 2, planned={0, 1, 4, 5}) == (40.0, [])
 
 
 def test_the_cmodel_calls_left_are_judged_by_their_variant():
     calls = ["prefill", "decode", "decode", "decode"]
-    assert job.calls_left(calls, {}) is None
+    assert job_estimates.calls_left(calls, {}) is None
     # A decode call has not run yet: a prefill call's minutes say nothing of it.
-    assert job.calls_left(calls[1:], {"prefill": [120.0]}) is None
-    assert job.calls_left(calls[2:], {"prefill": [120.0], "decode": [2.0, 4.0]}) == 6.0
-    assert job.calls_left(calls, {"prefill": [120.0], "decode": [3.0]}) == 129.0
+    assert job_estimates.calls_left(calls[1:], {"prefill": [120.0]}) is None
+    assert job_estimates.calls_left(calls[2:], {"prefill": [120.0], "decode": [2.0, 4.0]}) == 6.0
+    assert job_estimates.calls_left(calls, {"prefill": [120.0], "decode": [3.0]}) == 129.0
 
 
 def test_a_jobs_later_steps_say_how_long_the_rest_should_take(tmp_path, capsys):

@@ -13,9 +13,9 @@ and its logits are compared with onnxruntime fp32 on the exports.
 
 The command lines are data (``tpumlir_commands``), gathered per net into the job's spec
 (``tpumlir_spec``); the job script (``npuforge/jobs/tpumlir_job.py``) runs them inside
-the toolchain environment and parses the similarity figures TPU-MLIR prints. What the host needs is found by
-``tpumlir_env``. This module is imported at parse time: keep heavy imports inside
-the functions that need them.
+the toolchain environment and parses the similarity figures TPU-MLIR prints. What the
+host needs is found by ``tpumlir_env``. This module is imported at parse time: keep
+heavy imports inside the functions that need them.
 """
 
 import json

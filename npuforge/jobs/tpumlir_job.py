@@ -2,7 +2,7 @@
 
     python tpumlir_job.py <spec.json>
 
-The spec (written by npuforge.backends.tpumlir.build_spec) lists the TPU-MLIR
+The spec (written by npuforge.backends.tpumlir_spec.build_spec) lists the TPU-MLIR
 command lines in order, each with its working directory and the files it must
 produce. This script runs them, keeps each tool's output in <work_dir>/logs/,
 parses the similarity figures TPU-MLIR prints when it compares tensors, and
@@ -27,7 +27,8 @@ from pathlib import Path
 
 # Sibling modules: this script is also loaded by path, without its directory on the path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from job_estimates import calls_left, time_left  # noqa: E402
+from cmodel_calls import VERIFY_PROGRESS, run_calls  # noqa: E402
+from job_estimates import time_left  # noqa: E402
 from job_turns import OneAtATime  # noqa: E402
 
 # npz_tool's per-tensor line: "[name   ]      SIMILAR [PASSED]".
@@ -38,8 +39,6 @@ _FIGURE_LINE = re.compile(
     r"^\s+(?P<key>cosine|euclidean|sqnr)_similarity\s+=\s+(?P<value>[-+0-9.eE]+|nan|inf)"
 )
 _VERDICT_LINE = re.compile(r"npz compare (?P<ok>PASSED|FAILED)")
-# How the cmodel check reports each call it runs.
-VERIFY_PROGRESS = "verify: call "
 # In the image, the package's chip-selecting links (libcmodel.so, libbmlib.so.0) point
 # here, into the container's private /tmp: the image is read-only to the job, and
 # TPU-MLIR selects a chip by re-linking them in its package directory.
@@ -432,34 +431,10 @@ def run(spec: dict) -> dict:
     return result
 
 
-def _runtime_outputs(net, np, bf16_to_fp32) -> list:
-    """The net's outputs as float arrays (the same conversions as TPU-MLIR's model_runner)."""
-    values = []
-    for tensor in net.outputs:
-        data = tensor.data
-        if data.dtype in (np.int8, np.uint8) and tensor.qscale != 0:
-            value = (data.astype(np.float32) - tensor.qzero_point) * np.float32(tensor.qscale)
-        elif tensor.dtype == "bf16":
-            value = bf16_to_fp32(data)
-        else:
-            value = np.array(data, dtype=np.float32)
-        values.append(np.array(value, dtype=np.float32))
-    return values
-
-
 def verify(spec: dict) -> None:
-    """Run the combined bmodel's nets on the cmodel over the recurrent calls of the spec.
-
-    A call runs its variant's nets in chunk order, each chunk's hidden outputs
-    (``<base>_out``) the next one's hidden inputs (``<base>_in``). Each net takes its host
-    inputs (from the main environment's .npz, ``chunk{i}/<name>``) by name and every state
-    input from the previous call's matching output (zeros at first); outputs are matched
-    to the export's by position, the order TPU-MLIR keeps.
-    Writes the logits of every call, one row per token, to ``verify.outputs``.
-    """
-    import importlib
-
-    import tpu_mlir
+    """Run the combined bmodel's nets on the cmodel over the recurrent calls of the spec
+    (``cmodel_calls.run_calls``), in a fresh process of this script."""
+    import tpu_mlir  # noqa: F401 - sets the tools' LD_LIBRARY_PATH
 
     # Importing tpu_mlir sets LD_LIBRARY_PATH (libcmodel.so...) for the processes it
     # starts, as its tools run; the loader reads it at start-up, so start afresh once.
@@ -467,84 +442,7 @@ def verify(spec: dict) -> None:
         os.environ["NPUFORGE_TPUMLIR_VERIFY"] = "1"
         argv = [sys.executable, os.path.abspath(__file__), "--verify", spec["spec_path"]]
         os.execv(sys.executable, argv)
-    import numpy as np
-
-    sys.path.insert(0, os.path.join(tpu_mlir.package_path, "python"))
-    from tools import model_runner
-    from utils.lowering import bf16_to_fp32, lowering
-
-    plan = spec["verify"]
-    bmodel = spec["bmodel"]
-    chip = model_runner.get_chip_from_model(bmodel)
-    # What model_runner does before loading a bmodel: point libcmodel.so at the chip's.
-    model_runner.link_cmodel_so(chip)
-    model_runner.link_custom_so(chip)
-    model_runner.link_bmlib_so(chip)
-    runtime = importlib.import_module("pyruntime_bm")
-    model_runner.bind_cmodel_so(chip)
-    model = runtime.Model(bmodel, 0, "")
-    chains = plan["nets"]
-    wanted = [name for chain in chains.values() for name in chain]
-    missing = sorted(set(wanted) - set(model.networks))
-    if missing:
-        raise SystemExit(f"error: {bmodel} has no net {missing} (it has {model.networks})")
-    nets = {name: model.Net(name) for name in wanted}
-    state = {}
-    for chain in chains.values():
-        for net_plan in chain.values():
-            for spec_in in net_plan["inputs"]:
-                if spec_in["role"] == "state":
-                    state[spec_in["name"]] = np.zeros(spec_in["shape"], dtype=np.float32)
-    rows = []
-    total = len(plan["calls"])
-    taken: dict = {}  # variant -> seconds of each finished call
-    for number, call in enumerate(plan["calls"], 1):
-        left = calls_left([c["variant"] for c in plan["calls"][number - 1 :]], taken)
-        estimate = "" if left is None else f" [about {left:.0f} s left]"
-        print(f"{VERIFY_PROGRESS}{number}/{total} ({call['variant']}){estimate}", flush=True)
-        started = time.monotonic()
-        with np.load(call["feeds"]) as data:
-            # Host-fed inputs per chunk: chunk{i}/<input name>.
-            fed = {key: data[key] for key in data.files}
-        carried = {}
-        for name, net_plan in chains[call["variant"]].items():
-            net = nets[name]
-            prefix = f"chunk{net_plan['chunk']}/"
-            feeds = {k[len(prefix) :]: v for k, v in fed.items() if k.startswith(prefix)}
-            for spec_in in net_plan["inputs"]:
-                if spec_in["role"] == "hidden":
-                    feeds[spec_in["name"]] = carried[spec_in["name"][: -len("_in")] + "_out"]
-            feeds.update({k: v for k, v in state.items() if k not in feeds})
-            by_name = {tensor.name: tensor for tensor in net.inputs}
-            for spec_in in net_plan["inputs"]:
-                tensor = by_name[spec_in["name"]]
-                value = np.asarray(feeds[spec_in["name"]]).reshape(tensor.data.shape)
-                tensor.data.reshape(-1)[:] = lowering(
-                    value,
-                    pdtype=tensor.dtype,
-                    pshape=value.shape,
-                    pzero_point=tensor.qzero_point,
-                    pscale=tensor.qscale,
-                ).flatten()
-            net.forward()
-            outputs = dict(
-                zip(
-                    [o["name"] for o in net_plan["outputs"]],
-                    _runtime_outputs(net, np, bf16_to_fp32),
-                    strict=True,
-                )
-            )
-            for spec_in in net_plan["inputs"]:
-                if spec_in["role"] == "state":
-                    state[spec_in["name"]] = outputs[spec_in["output"]].reshape(spec_in["shape"])
-            for o in net_plan["outputs"]:
-                if o["role"] == "hidden":
-                    carried[o["name"]] = outputs[o["name"]]
-        logits = outputs[net_plan["logits"]]
-        rows.append(logits.reshape(-1, logits.shape[-1]))
-        taken.setdefault(call["variant"], []).append(time.monotonic() - started)
-    np.save(plan["outputs"], np.concatenate(rows))
-    print(f"verify: {len(plan['calls'])} calls, {sum(len(r) for r in rows)} logits rows")
+    run_calls(spec)
 
 
 def write_result(spec: dict, result: dict) -> None:
