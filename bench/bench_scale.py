@@ -362,8 +362,11 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
     for model, params, found in measured:
         for stage, figures in found.items():
             # A step that names no target (fetch, export, verify...) was run for this
-            # build's targets: a build for other targets records its own row.
+            # build's targets: a build for other targets records its own row. A compile's
+            # time holds its check: checks of other lengths are other settings.
             scope = "" if "/" in stage else f" (for {args.targets})"
+            if stage.startswith("compile ") and args.verify_steps is not None:
+                scope = f" ({args.verify_steps} positions)"
             rows.append(
                 {
                     "id": f"scale-{model}-{slug(stage + scope)}",
@@ -386,11 +389,12 @@ def bench_rows(measured, args, checks: dict | None = None) -> list[dict]:
     for model, params, _ in measured:
         for check in (checks or {}).get(model, []):
             calls = check["calls"] or {}
+            length = f" ({check['positions']} positions)"
             rows.append(
                 {
-                    "id": f"scale-check-{model}-{slug(check['job'])}",
+                    "id": f"scale-check-{model}-{slug(check['job'] + length)}",
                     "family": "scale_verification",
-                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {check['job']}",
+                    "setting": f"{model} ({params / 1e6:.0f}M parameters): {check['job']}{length}",
                     "figures": {
                         "positions": check["positions"],
                         "calls": " + ".join(f"{n} {v}" for v, n in calls.items()) or "–",
@@ -424,7 +428,7 @@ def recorded_stages(path: Path, model: str) -> dict:
         figures = row["figures"]
         stage = prefix.group(1)
         steps = re.search(r"--verify-steps (\d+)", row.get("command", ""))
-        if stage.startswith("compile") and steps:
+        if stage.startswith("compile") and steps and not stage.endswith(" positions)"):
             # A compile's time holds its simulator check: only checks of the same length pair.
             stage += f" ({steps.group(1)} positions)"
         found[stage] = {

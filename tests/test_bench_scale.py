@@ -161,11 +161,22 @@ def test_each_compiles_simulator_check_is_read_whether_it_passed_or_not(tmp_path
 
     args = Namespace(models="m", targets="BM1688,SM8650", precisions="f16,fp16",
                      verify_steps=40, budget_gb=12.0)  # fmt: skip
-    recorded = bench_scale.bench_rows([("m", 1_500_000_000, {})], args, {"m": rows})
-    assert [(r["family"], r["setting"]) for r in recorded] == [
-        ("scale_verification", "m (1500M parameters): BM1688/f16"),
-        ("scale_verification", "m (1500M parameters): SM8650/fp16"),
-    ]
+    compiled = {"seconds": 9.0, "cpu_seconds": 9.0, "step_rss_mb": 1, "child_rss_mb": 2,
+                "together_rss_mb": 3, "written": 0}  # fmt: skip
+    measured = [("m", 1_500_000_000, {"compile BM1688/f16": compiled})]
+    recorded = bench_scale.bench_rows(measured, args, {"m": rows})
+    # A compile's time and its check are settings of their length: a longer check of
+    # the same build is a row of its own, not a new figure of this one.
+    assert [(r["id"], r["setting"]) for r in recorded] == [
+        ("scale-m-compile-BM1688-f16-40-positions",
+         "m (1500M parameters): compile BM1688/f16 (40 positions)"),
+        ("scale-check-m-BM1688-f16-40-positions",
+         "m (1500M parameters): BM1688/f16 (40 positions)"),
+        ("scale-check-m-SM8650-fp16-40-positions",
+         "m (1500M parameters): SM8650/fp16 (40 positions)"),
+    ]  # fmt: skip
+    assert recorded[0]["figures"]["together MB"] == 3
+    recorded = recorded[1:]
     assert recorded[1]["figures"] == {
         "positions": 40, "calls": "–", "cosine": 0.99541, "cosine mean": 0.99902,
         "top-1": 1.0, "perplexity %": 0.22, "gate": "fails",
@@ -243,9 +254,16 @@ def test_compiles_pair_only_when_their_checks_verified_the_same_positions(tmp_pa
     steps = {0: 8, 1: 16, 3: 64, 4: 16}  # the export rows' commands name 8 and 64 as well
     for index, row in enumerate(rows):
         row["command"] += f" --verify-steps {steps.get(index, 8 if index < 3 else 64)}"
+    # Rows recorded since name their length in their setting: read once, not twice.
+    rows.append(scale_row(small, 494, "compile SM8650/a16w8 (64 positions)", 200.0, 1000, 3000))
+    rows[-1]["command"] += " --verify-steps 64"
     data = tmp_path / "benches.yaml"
     write_rows(data, rows)
     paired = set(bench_scale.recorded_stages(data, small)) & set(
         bench_scale.recorded_stages(data, large)
     )
-    assert paired == {"compile SM8650/fp16 (16 positions)", "export (for SM8650)"}
+    assert paired == {
+        "compile SM8650/fp16 (16 positions)",
+        "compile SM8650/a16w8 (64 positions)",
+        "export (for SM8650)",
+    }
