@@ -56,11 +56,12 @@ PROCESSORS = ("bm1684x", "bm1688")
 # when the matrix is planned (npuforge.matrix.check_batch).
 MAX_BATCH = 1
 # Host memory a compile takes per parameter of its heaviest chunk (npuforge.memory_plan
-# plans and reserves from it): TPU-MLIR's tools, two nets side by side, peaked at 12.3 GB
-# for Qwen2.5-0.5B's f16 build on BM1688 in 2 chunks of 315M parameters (38.9 bytes per
-# parameter; bench/bench_scale.py --models qwen2.5-0.5b-shape --targets BM1688
-# --precisions f16 --verify-steps 36 --budget-gb 16). The other precisions, unmeasured,
-# take f16's figure.
+# plans and reserves from it): TPU-MLIR's tools peaked at 12.3 GB for each of Qwen2.5-0.5B's
+# two 315M-parameter chunks on BM1688, f16 (39.1-39.3 bytes per parameter; bench/
+# bench_scale.py --models qwen2.5-0.5b-shape --targets BM1688 --precisions f16
+# --verify-steps 40 --budget-gb 16, 2026-12-06), one model_transform at a time: that
+# tool alone takes 11.9-12.3 GB per net, as much as two nets side by side took before.
+# The other precisions, unmeasured, take f16's figure.
 COMPILE_BYTES_PER_PARAM = dict.fromkeys(("f16", "bf16", "int8", "w8f16", "w4f16"), 40.0)
 # RWKV's nets cost the tools more: model_transform alone took 7.6-9.6 GB for one net of
 # an RWKV-7 1.5B chunk of 210-239M parameters; the two nets' transforms side by side
@@ -68,8 +69,7 @@ COMPILE_BYTES_PER_PARAM = dict.fromkeys(("f16", "bf16", "int8", "w8f16", "w4f16"
 # rwkv7-1.5b-shape --targets BM1688 --precisions f16 --verify-steps 40 --budget-gb 12,
 # 2026-12-06). One transform at a time, beside the other net's deploy (the job's
 # one_at_a_time), the heaviest chunk's job took 11.3 GB (47.3 bytes per parameter; the
-# same command's chunk 6, run again by hand). The Llama figure above is from nets side
-# by side, before that, so it errs high.
+# same command's chunk 6, run again by hand).
 COMPILE_BYTES_PER_PARAM_BY_FAMILY = {"rwkv": dict.fromkeys(COMPILE_BYTES_PER_PARAM, 48.0)}
 # The cmodel check's floors against onnxruntime fp32 (see npuforge.backends.gate).
 FLOORS = {
