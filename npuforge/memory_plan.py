@@ -99,6 +99,17 @@ CALIBRATION_CHUNK_BYTES_PER_PARAM = 8
 STEP_FLOOR_MB = 1000
 
 
+# Inspecting a checkpoint reads its headers (safetensors: 33 MB at Qwen2.5-1.5B) or maps
+# its tensors (RWKV's .pth: 224 MB at RWKV-7 1.5B, 0.15 bytes/parameter; bench/
+# bench_scale.py, the "inspect" rows); it never holds the model.
+INSPECT_BYTES_PER_PARAM = 0.5
+
+
+def inspect_mem_mb(model: dict) -> int:
+    """What inspecting a model's checkpoint reserves."""
+    return _step_mb(estimate_params(model) * INSPECT_BYTES_PER_PARAM)
+
+
 def whole_model_mem_mb(model: dict) -> int:
     """What a step that holds the whole model reserves."""
     return _step_mb(estimate_params(model) * WHOLE_MODEL_BYTES_PER_PARAM)

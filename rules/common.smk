@@ -229,6 +229,10 @@ def verify_mem_mb(model):
     return memory_plan.verify_mem_mb(MODELS[model])
 
 
+def inspect_mem_mb(model):
+    return memory_plan.inspect_mem_mb(MODELS[model])
+
+
 def whole_model_mem_mb(model):
     return memory_plan.whole_model_mem_mb(MODELS[model])
 

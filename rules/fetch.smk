@@ -106,7 +106,7 @@ rule inspect:
         MAIN_ENV
     threads: 1
     resources:
-        mem_mb=lambda w: whole_model_mem_mb(w.model),
+        mem_mb=lambda w: inspect_mem_mb(w.model),
     params:
         code=step_code("inspect_checkpoint"),
         arch=lambda w: as_json(MODELS[w.model]["arch"]),

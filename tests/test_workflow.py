@@ -70,6 +70,27 @@ def test_default_dry_run(workflow):
     }
 
 
+def test_inspecting_a_seed_size_checkpoint_reserves_no_model(workflow):
+    """The inspect step reads headers or maps tensors (33 and 224 MB at 1.5B): its
+    reservation, which a cluster asks of a node, stays at the steps' floor where a step
+    holding the model reserves 16 bytes per parameter (24.6 GB here)."""
+    from npuforge.memory_plan import STEP_FLOOR_MB
+
+    result = snakemake(
+        workflow, "--dry-run", "--resources", "mem_mb=100000", "--config",
+        "model=qwen2.5-1.5b-shape", "target=onnx", check=True,
+    )  # fmt: skip
+    reserved = dict(
+        re.findall(
+            r"^(?:local)?rule (\w+):\n(?:\s+.*\n)*?\s+resources: .*?\bmem_mb=(\d+)",
+            result.stdout,
+            re.M,
+        )
+    )
+    assert int(reserved["inspect"]) == STEP_FLOOR_MB, reserved
+    assert int(reserved["export"]) > 10 * STEP_FLOOR_MB, reserved  # one 1.5B chunk
+
+
 def test_two_models_by_four_targets_share_fetch_and_exports(workflow):
     extra = write_extra(
         workflow, {"targets": {tid: reference_target(o) for tid, o in EXTRA_TARGETS.items()}}
