@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import job_estimates  # the TPU-MLIR job's sibling (conftest puts npuforge/jobs on the path)
 import numpy as np
 import pytest
 
@@ -67,7 +68,6 @@ def _load_job_module():
 
 
 job = _load_job_module()
-import job_estimates  # noqa: E402 - the job's sibling, on the path once the job is loaded
 
 
 def _run(script, *args):

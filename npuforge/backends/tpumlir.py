@@ -37,6 +37,7 @@ from npuforge.backends.tpumlir_run import (  # noqa: F401 - JOB_SCRIPT: the job 
     run_spec,
 )
 from npuforge.backends.tpumlir_spec import (
+    NAME,
     QUANTIZE,
     build_spec,
     net_name,
@@ -47,7 +48,6 @@ from npuforge.backends.tpumlir_spec import (
 from npuforge.errors import NpuforgeError
 from npuforge.jobs.finished_chunks import link_or_copy
 
-NAME = "tpumlir"
 # Config precision -> model_deploy.py --quantize (tpumlir_spec.QUANTIZE).
 PRECISIONS = tuple(QUANTIZE)
 PROCESSORS = ("bm1684x", "bm1688")

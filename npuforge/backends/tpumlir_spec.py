@@ -30,6 +30,7 @@ from npuforge.backends.tpumlir_inputs import (
 from npuforge.backends.tpumlir_run import DATA_LIST
 from npuforge.errors import NpuforgeError
 
+# The backend's name (npuforge.backends.tpumlir.NAME), written into every spec.
 NAME = "tpumlir"
 
 # Config precision -> model_deploy.py --quantize.
